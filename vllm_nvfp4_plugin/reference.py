@@ -1,0 +1,174 @@
+"""Plain-torch reference of the four ops and of NVFP4 encode/decode, written from FORMATS.md.
+
+It is the oracle of the CPU and CUDA tests (bit-exact) and is deliberately slow and obvious.
+All arithmetic is float32, in the order FORMATS.md gives.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import NVFP4_GROUP, IndexerCacheLayout, NVFP4PageLayout
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_F32 = torch.float32
+
+
+def _f32(x) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=_F32).reshape(())
+
+
+def e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 to FP8 E4M3 (nearest even), saturating at ±448."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """4-bit E2M1 codes (uint8) of float32 `v`: nearest, ties to the even code, saturating at ±6."""
+    a = v.abs()
+    # Each comparison adds one code step; `>` on a tie keeps the even (lower) code, `>=` moves to it.
+    code = ((a > 0.25).to(torch.uint8) + (a >= 0.75) + (a > 1.25) + (a >= 1.75)
+            + (a > 2.5) + (a >= 3.5) + (a > 5.0))
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
+    mag = E2M1_VALUES.to(code.device)[(code & 7).long()]
+    return torch.where((code & 8) != 0, -mag, mag)
+
+
+def nvfp4_encode(x: torch.Tensor, global_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize `[..., head_size]` → (packed codes uint8 `[..., head_size/2]`, scales e4m3 `[..., head_size/16]`).
+
+    `global_scale` is the dequant scale: x ≈ e2m1(code) · SF · global.
+    """
+    g = _f32(global_scale).to(x.device)
+    groups = x.to(_F32).reshape(*x.shape[:-1], -1, NVFP4_GROUP)
+    amax = groups.abs().amax(-1)
+    one_sixth = _f32(1.0) / _f32(6.0)
+    sf = e4m3(amax * one_sixth.to(x.device) * (1.0 / g))
+    sf_f = sf.to(_F32)
+    out_scale = torch.where(sf_f == 0, torch.zeros_like(sf_f), 1.0 / (sf_f * g))
+    codes = e2m1_encode(groups * out_scale.unsqueeze(-1)).reshape(*x.shape[:-1], -1)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # low nibble = even element
+    return packed, sf
+
+
+def nvfp4_decode(packed: torch.Tensor, sf: torch.Tensor, global_scale, dtype=torch.float32) -> torch.Tensor:
+    """Inverse of `nvfp4_encode`: (e2m1 · SF) · global in float32, then cast to `dtype`."""
+    g = _f32(global_scale).to(packed.device)
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
+    vals = e2m1_decode(codes).reshape(*codes.shape[:-1], -1, NVFP4_GROUP)
+    vals = vals * sf.view(torch.float8_e4m3fn).to(_F32).unsqueeze(-1)
+    return (vals * g).reshape(*codes.shape).to(dtype)
+
+
+# --- NVFP4 KV cache ops ------------------------------------------------------------------------
+
+def _entry_offsets(layout: NVFP4PageLayout, offsets: torch.Tensor, swizzled: bool):
+    """Byte offsets `[n, heads, data_dim]` and `[n, heads, scale_dim]` inside a side for block offsets `offsets`."""
+    t = offsets.view(-1, 1, 1)
+    h = torch.arange(layout.num_heads, device=offsets.device).view(1, -1, 1)
+    data = layout.data_offset(t, h) + torch.arange(layout.data_dim, device=offsets.device)
+    s = torch.arange(layout.scale_dim, device=offsets.device).view(1, 1, -1)
+    scale = layout.scale_offset(t, h, s, swizzled)
+    return data, scale
+
+
+def reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                            swizzle_v_scales: bool) -> None:
+    layout = NVFP4PageLayout.from_side_cache(key_cache, swizzle_v_scales)
+    slots = slot_mapping.long()
+    valid = (slots >= 0).nonzero().flatten()
+    slots = slots[valid]
+    blocks, offsets = slots // layout.block_size, slots % layout.block_size
+    for side_cache, x, g, swizzled in ((key_cache, key, k_scale, False),
+                                       (value_cache, value, v_scale, swizzle_v_scales)):
+        packed, sf = nvfp4_encode(x[valid], g)
+        data_off, scale_off = _entry_offsets(layout, offsets, swizzled)
+        flat = layout.side_bytes_view(side_cache)
+        rows = blocks.view(-1, 1, 1)
+        flat[rows.expand_as(data_off), data_off] = packed
+        flat[rows.expand_as(scale_off), scale_off] = sf.view(torch.uint8)
+
+
+def _gather_positions(block_table, cu_seq_lens, block_size):
+    """(destination row, physical block, block offset) of every cached token the gather must copy."""
+    cu = cu_seq_lens.long().cpu()
+    rows, blocks, offsets = [], [], []
+    for b in range(cu.numel() - 1):
+        p = torch.arange(int(cu[b + 1] - cu[b]))
+        rows.append(cu[b] + p)
+        blocks.append(block_table[b].long().cpu()[p // block_size])
+        offsets.append(p % block_size)
+    dev = block_table.device
+    return (torch.cat(rows).to(dev), torch.cat(blocks).to(dev), torch.cat(offsets).to(dev))
+
+
+def gather_nvfp4_kv_cache(key_cache, value_cache, block_table, cu_seq_lens, k_scale, v_scale,
+                          swizzle_v_scales: bool, out_key, out_value) -> None:
+    layout = NVFP4PageLayout.from_side_cache(key_cache, swizzle_v_scales)
+    rows, blocks, offsets = _gather_positions(block_table, cu_seq_lens, layout.block_size)
+    for side_cache, out, g, swizzled in ((key_cache, out_key, k_scale, False),
+                                         (value_cache, out_value, v_scale, swizzle_v_scales)):
+        data_off, scale_off = _entry_offsets(layout, offsets, swizzled)
+        flat = layout.side_bytes_view(side_cache)
+        b = blocks.view(-1, 1, 1)
+        packed = flat[b.expand_as(data_off), data_off]
+        sf = flat[b.expand_as(scale_off), scale_off]
+        out[rows] = nvfp4_decode(packed, sf, g, out.dtype)
+
+
+# --- Sparse-indexer K cache ops -----------------------------------------------------------------
+
+SCALE_FORMATS = ("", "ue8m0", "mxfp8")
+
+
+def indexer_quantize(k: torch.Tensor, quant_block_size: int, scale_fmt: str):
+    """`[n, head_dim]` → (fp8 values `[n, head_dim]` as uint8, scale bytes `[n, num_scales*4]`)."""
+    if scale_fmt not in SCALE_FORMATS:
+        raise ValueError(f"scale_fmt must be one of {SCALE_FORMATS}, got {scale_fmt!r}")
+    n, head_dim = k.shape
+    blocks = k.to(_F32).reshape(n, head_dim // quant_block_size, quant_block_size)
+    amax = blocks.abs().amax(-1)
+    scale = torch.maximum(amax, _f32(1e-4).to(k.device)) / _f32(E4M3_MAX).to(k.device)
+    if scale_fmt:
+        mant, exp = torch.frexp(scale)  # scale = mant · 2^exp, mant in [0.5, 1)
+        exp = torch.where(mant == 0.5, exp - 1, exp)  # ceil(log2 scale), exact
+        scale = torch.ldexp(torch.ones_like(scale), exp)
+    values = e4m3(blocks / scale.unsqueeze(-1)).reshape(n, head_dim).view(torch.uint8)
+    if scale_fmt == "mxfp8":  # the UE8M0 exponent byte, four times
+        ue8m0 = (exp + 127).to(torch.uint8)
+        scale_bytes = ue8m0.unsqueeze(-1).expand(n, ue8m0.shape[1], 4).reshape(n, -1)
+    else:
+        scale_bytes = scale.contiguous().view(torch.uint8).reshape(n, -1)
+    return values, scale_bytes
+
+
+def indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size: int, scale_fmt: str) -> None:
+    layout = IndexerCacheLayout.from_cache(kv_cache, quant_block_size)
+    slots = slot_mapping.long()
+    valid = (slots >= 0).nonzero().flatten()
+    values, scale_bytes = indexer_quantize(k[valid], quant_block_size, scale_fmt)
+    slots = slots[valid]
+    blocks, offsets = (slots // layout.block_size).view(-1, 1), (slots % layout.block_size).view(-1, 1)
+    flat = layout.block_bytes_view(kv_cache)
+    vo = layout.value_offset(offsets) + torch.arange(layout.head_dim, device=k.device)
+    so = layout.scale_offset(offsets) + torch.arange(layout.scale_bytes, device=k.device)
+    flat[blocks.expand_as(vo), vo] = values
+    flat[blocks.expand_as(so), so] = scale_bytes
+
+
+def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens) -> None:
+    row = kv_cache.size(2)
+    head_dim = dst_k.size(1) * dst_k.element_size()
+    layout = IndexerCacheLayout.from_cache(kv_cache, head_dim * 4 // (row - head_dim))
+    rows, blocks, offsets = _gather_positions(block_table, cu_seq_lens, layout.block_size)
+    flat = layout.block_bytes_view(kv_cache)
+    b, t = blocks.view(-1, 1), offsets.view(-1, 1)
+    vo = layout.value_offset(t) + torch.arange(layout.head_dim, device=kv_cache.device)
+    so = layout.scale_offset(t) + torch.arange(layout.scale_bytes, device=kv_cache.device)
+    dst_k.view(torch.uint8).view(dst_k.size(0), -1)[rows] = flat[b.expand_as(vo), vo]
+    dst_scale.view(torch.uint8).view(dst_scale.size(0), -1)[rows] = flat[b.expand_as(so), so]
