@@ -1,0 +1,129 @@
+"""Decode attention that reads the plugin's NVFP4 cache through FlashInfer's fa2 kernels.
+
+FlashInfer (0.7) treats a uint8 paged cache plus `kv_cache_sf` e4m3 block scales as NVFP4, on SM80, SM90
+and SM120 through its fa2 tensor-core decode. It takes any page/token/head strides, so the data and scale
+regions of our `[DATA | SCALES]` sides are handed to it as strided views of the same bytes: nothing is
+copied. It needs linear V scales (a cache stored with `swizzle_v_scales=False`) and misreads head size 64,
+so callers route head 64 (and machines without FlashInfer) to the attention core's gather path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from ..layout import NVFP4PageLayout
+
+FA2_NVFP4_HEAD_SIZES = (128, 256)  # fa2 misreads NVFP4 at head 64
+FA2_NVFP4_ARCH_MAJORS = (8, 9, 12)  # SM8x, SM90, SM12x read NVFP4 with fa2 (SM100 uses trtllm-gen)
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-k workspace
+
+
+def flashinfer_decode_unavailable_reason(head_size: int, device: torch.device) -> str | None:
+    """Why FlashInfer's NVFP4 decode cannot serve this head size on this device, or None if it can."""
+    device = torch.device(device)
+    if head_size not in FA2_NVFP4_HEAD_SIZES:
+        return f"fa2 reads NVFP4 only at head sizes {FA2_NVFP4_HEAD_SIZES}, got {head_size}"
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in FA2_NVFP4_ARCH_MAJORS:
+        return f"SM{major}x does not decode NVFP4 with fa2 (needs one of SM{FA2_NVFP4_ARCH_MAJORS}x)"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer is not installed"
+    return None
+
+
+def _region_view(side_cache: torch.Tensor, layout: NVFP4PageLayout, region_start: int, width: int,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """One region (data or scales) of every block's side as FlashInfer's 4-D page tensor.
+
+    NHD gives `[num_blocks, block_size, num_heads, width]`, HND `[num_blocks, num_heads, block_size, width]`;
+    the token and head strides come from the layout descriptor's entry order.
+    """
+    token_stride = layout.entry_index(1, 0) * width
+    head_stride = layout.entry_index(0, 1) * width
+    if layout.hnd:
+        size = (side_cache.size(0), layout.num_heads, layout.block_size, width)
+        stride = (side_cache.stride(0), head_stride, token_stride, 1)
+    else:
+        size = (side_cache.size(0), layout.block_size, layout.num_heads, width)
+        stride = (side_cache.stride(0), token_stride, head_stride, 1)
+    return side_cache.as_strided(size, stride, side_cache.storage_offset() + region_start).view(dtype)
+
+
+def nvfp4_flashinfer_views(side_cache: torch.Tensor, layout: NVFP4PageLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed E2M1 data uint8, block scales float8_e4m3fn) views of one side (`kv_cache[:, 0]` or `[:, 1]`)."""
+    data = _region_view(side_cache, layout, 0, layout.data_dim, torch.uint8)
+    scales = _region_view(side_cache, layout, layout.data_region_bytes, layout.scale_dim, torch.float8_e4m3fn)
+    return data, scales
+
+
+class FlashInferNVFP4Decoder:
+    """Plans once per batch (host work, shared by all layers), then runs each layer's decode.
+
+    `plan` takes the decode requests' block table (device) and their KV lengths (host);
+    `run` takes one layer's queries `[num_decodes, num_q_heads, head_size]` and its two side caches.
+    """
+
+    def __init__(self, device: torch.device, hnd: bool, workspace_bytes: int = WORKSPACE_BYTES):
+        import flashinfer
+
+        self.hnd = hnd
+        self.device = torch.device(device)
+        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "HND" if hnd else "NHD", use_tensor_cores=True)
+        self._planned: tuple | None = None
+
+    def plan(self, block_table: torch.Tensor, seq_lens_cpu: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+             head_size: int, block_size: int, q_dtype: torch.dtype, sm_scale: float) -> None:
+        reason = flashinfer_decode_unavailable_reason(head_size, self.device)
+        if reason is not None:
+            raise ValueError(f"FlashInfer NVFP4 decode cannot run: {reason}")
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        if block_table.dim() != 2 or block_table.size(0) != seq_lens_cpu.numel():
+            raise ValueError(f"block_table must be [num_decodes, max_blocks] with one row per seq_lens_cpu entry, "
+                             f"got {tuple(block_table.shape)} and {seq_lens_cpu.numel()} lengths")
+        seq_lens = seq_lens_cpu.to(torch.int64)
+        if seq_lens.numel() and int(seq_lens.min()) < 1:
+            raise ValueError("every decode request needs at least one cached token (seq_lens_cpu >= 1)")
+        pages = (seq_lens + block_size - 1) // block_size
+        if pages.numel() and int(pages.max()) > block_table.size(1):
+            raise ValueError(f"a sequence needs {int(pages.max())} blocks but block_table has {block_table.size(1)}")
+        indptr = torch.zeros(seq_lens.numel() + 1, dtype=torch.int32)
+        indptr[1:] = torch.cumsum(pages, 0)
+        last_page_len = (seq_lens - (pages - 1) * block_size).to(torch.int32)
+        # CSR page list: (row, column) of every used block-table entry, gathered on the device.
+        rows = torch.repeat_interleave(torch.arange(seq_lens.numel()), pages)
+        cols = torch.arange(int(indptr[-1])) - torch.repeat_interleave(indptr[:-1].to(torch.int64), pages)
+        indices = block_table[rows.to(block_table.device, non_blocking=True),
+                              cols.to(block_table.device, non_blocking=True)].to(torch.int32)
+        self._wrapper.plan(indptr, indices, last_page_len, num_q_heads, num_kv_heads, head_size, block_size,
+                           q_data_type=q_dtype, kv_data_type=torch.uint8, sm_scale=sm_scale)
+        self._planned = (seq_lens.numel(), num_q_heads, num_kv_heads, head_size, block_size, q_dtype)
+
+    def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            k_scale: float, v_scale: float, out: torch.Tensor) -> torch.Tensor:
+        """Writes `out` `[num_decodes, num_q_heads, head_size]`; `k_scale`/`v_scale` are the global dequant scales."""
+        if self._planned is None:
+            raise RuntimeError("FlashInferNVFP4Decoder.run called before plan")
+        num_decodes, num_q_heads, num_kv_heads, head_size, block_size, q_dtype = self._planned
+        layout = NVFP4PageLayout.from_side_cache(key_cache)
+        if (layout.head_size, layout.block_size, layout.num_heads) != (head_size, block_size, num_kv_heads):
+            raise ValueError(f"key_cache holds head_size {layout.head_size}, block_size {layout.block_size}, "
+                             f"{layout.num_heads} heads; the plan was for {head_size}, {block_size}, {num_kv_heads}")
+        if layout.hnd != self.hnd:
+            raise ValueError(f"key_cache is {'HND' if layout.hnd else 'NHD'} but the decoder was built for "
+                             f"{'HND' if self.hnd else 'NHD'}")
+        if NVFP4PageLayout.from_side_cache(value_cache) != layout:
+            raise ValueError("value_cache must have the same layout as key_cache")
+        if query.shape != (num_decodes, num_q_heads, head_size) or query.dtype != q_dtype:
+            raise ValueError(f"query must be {q_dtype} [{num_decodes}, {num_q_heads}, {head_size}] as planned, "
+                             f"got {query.dtype} {list(query.shape)}")
+        k_data, k_sf = nvfp4_flashinfer_views(key_cache, layout)
+        v_data, v_sf = nvfp4_flashinfer_views(value_cache, layout)
+        return self._wrapper.run(query, (k_data, v_data), kv_cache_sf=(k_sf, v_sf),
+                                 k_scale=float(k_scale), v_scale=float(v_scale), out=out)
