@@ -1,0 +1,49 @@
+// Argument checks shared by the CPU and CUDA entry points of the four ops.
+//
+// Each check_<op> validates dtypes, shapes, strides and devices, and returns the cache layout the
+// kernel needs. Errors read "<op>: <argument>: <rule>". The data-dependent checks (slot and block
+// table ranges) read host memory, so only the CPU kernels call them.
+#pragma once
+
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdint>
+#include <string>
+
+#include "layout.h"
+
+namespace vllm_nvfp4 {
+
+using torch::stable::Tensor;
+
+NVFP4PageLayout check_reshape_and_cache_nvfp4(const Tensor& key, const Tensor& value, const Tensor& key_cache,
+                                              const Tensor& value_cache, const Tensor& slot_mapping,
+                                              const Tensor& k_scale, const Tensor& v_scale, bool swizzle_v_scales);
+
+NVFP4PageLayout check_gather_nvfp4_kv_cache(const Tensor& key_cache, const Tensor& value_cache,
+                                            const Tensor& block_table, const Tensor& cu_seq_lens,
+                                            const Tensor& k_scale, const Tensor& v_scale, bool swizzle_v_scales,
+                                            const Tensor& out_key, const Tensor& out_value);
+
+// How the indexer store writes a quant block's scale (FORMATS.md §2).
+enum class ScaleFormat { Float32, UE8M0, MXFP8 };
+
+ScaleFormat parse_scale_fmt(const std::string& scale_fmt);
+
+IndexerCacheLayout check_indexer_k_quant_and_cache(const Tensor& k, const Tensor& kv_cache,
+                                                   const Tensor& slot_mapping, int64_t quant_block_size);
+
+IndexerCacheLayout check_cp_gather_indexer_k_quant_cache(const Tensor& kv_cache, const Tensor& dst_k,
+                                                         const Tensor& dst_scale, const Tensor& block_table,
+                                                         const Tensor& cu_seq_lens);
+
+// Every non-negative slot must lie in the cache's num_slots.
+void check_slot_range(const char* op, const int64_t* slots, int64_t num_tokens, int64_t num_slots);
+
+// cu_seq_lens must be non-decreasing from 0 up to at most out_rows, and every block a sequence uses
+// must be a block_table column that names a block of the cache.
+void check_gather_ranges(const char* op, const int32_t* block_table, int64_t table_row_stride,
+                         int64_t table_cols, const int32_t* cu_seq_lens, int64_t batch, int64_t block_size,
+                         int64_t num_blocks, int64_t out_rows);
+
+}  // namespace vllm_nvfp4

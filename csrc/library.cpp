@@ -1,0 +1,25 @@
+// The `vllm_nvfp4` op library: the four schemas (mirroring vLLM's own ops) and the `_C` Python module
+// whose import loads this shared object and so runs the registrations. Kernels register per device in
+// cpu_ops.cpp and cuda/.
+#include <Python.h>
+
+#include <torch/csrc/stable/library.h>
+
+extern "C" {
+// An empty module: importing vllm_nvfp4_plugin._C is only a way to dlopen this library.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+STABLE_TORCH_LIBRARY(vllm_nvfp4, m) {
+  m.def("reshape_and_cache_nvfp4(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, bool swizzle_v_scales) -> ()");
+  m.def("gather_nvfp4_kv_cache(Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seq_lens, "
+        "Tensor k_scale, Tensor v_scale, bool swizzle_v_scales, Tensor(a!) out_key, Tensor(b!) out_value) -> ()");
+  m.def("indexer_k_quant_and_cache(Tensor k, Tensor(a!) kv_cache, Tensor slot_mapping, int quant_block_size, "
+        "str scale_fmt) -> ()");
+  m.def("cp_gather_indexer_k_quant_cache(Tensor kv_cache, Tensor(a!) dst_k, Tensor(b!) dst_scale, "
+        "Tensor block_table, Tensor cu_seq_lens) -> ()");
+}

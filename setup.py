@@ -1,0 +1,40 @@
+"""Builds `vllm_nvfp4_plugin._C` against torch's stable ABI (target torch 2.10, so one build loads on 2.10+).
+
+CPU kernels always; the CUDA kernels in csrc/cuda/ only when a CUDA toolkit and a CUDA build of torch are
+both present. Install with `pip install --no-build-isolation .` so pip builds against the installed torch.
+"""
+
+import glob
+import os
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+# [MAJ 1 byte][MIN 1 byte][PATCH 1 byte][ABI TAG 5 bytes]: 2.10.0 exposes only the stable API of 2.10.
+TORCH_TARGET_VERSION = "-DTORCH_TARGET_VERSION=0x020a000000000000"
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def extension():
+    use_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    # No fused multiply-add and no fast math: the kernels must round exactly like the reference.
+    cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-DPy_LIMITED_API=0x03090000", TORCH_TARGET_VERSION]
+    args = {"cxx": cxx}
+    if use_cuda:
+        sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a;10.0a")
+        # USE_CUDA declares the shim's current-stream getter; NVFP4_WITH_CUDA compiles the CUDA registrations in.
+        cxx += ["-DUSE_CUDA", "-DNVFP4_WITH_CUDA"]
+        args["nvcc"] = ["-O3", "-fmad=false", TORCH_TARGET_VERSION, "-DUSE_CUDA", "-DNVFP4_WITH_CUDA"]
+    make = CUDAExtension if use_cuda else CppExtension
+    return make("vllm_nvfp4_plugin._C", sources, include_dirs=[os.path.join(ROOT, "csrc")],
+                extra_compile_args=args, extra_link_args=["-fopenmp"], py_limited_api=True)
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)

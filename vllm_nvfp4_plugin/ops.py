@@ -1,0 +1,72 @@
+"""The compiled `torch.ops.vllm_nvfp4` ops: loads the extension, registers fake implementations, wraps the ops.
+
+Every op writes into its output arguments and returns nothing, so the fake implementations only check what
+a fake (meta) run can check — that all tensors share one device — and return None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _C  # noqa: F401  (importing the extension registers the ops)
+
+_ops = torch.ops.vllm_nvfp4
+
+
+def _check_same_device(op: str, **tensors: torch.Tensor) -> None:
+    (first_name, first), *rest = tensors.items()
+    for name, t in rest:
+        if t.device != first.device:
+            raise RuntimeError(f"{op}: {name}: must be on {first_name}'s device ({first.device}), got {t.device}")
+
+
+@torch.library.register_fake("vllm_nvfp4::reshape_and_cache_nvfp4")
+def _(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, swizzle_v_scales):
+    _check_same_device("reshape_and_cache_nvfp4", key_cache=key_cache, value_cache=value_cache, key=key,
+                       value=value, slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
+@torch.library.register_fake("vllm_nvfp4::gather_nvfp4_kv_cache")
+def _(key_cache, value_cache, block_table, cu_seq_lens, k_scale, v_scale, swizzle_v_scales, out_key, out_value):
+    _check_same_device("gather_nvfp4_kv_cache", key_cache=key_cache, value_cache=value_cache,
+                       block_table=block_table, cu_seq_lens=cu_seq_lens, k_scale=k_scale, v_scale=v_scale,
+                       out_key=out_key, out_value=out_value)
+
+
+@torch.library.register_fake("vllm_nvfp4::indexer_k_quant_and_cache")
+def _(k, kv_cache, slot_mapping, quant_block_size, scale_fmt):
+    _check_same_device("indexer_k_quant_and_cache", kv_cache=kv_cache, k=k, slot_mapping=slot_mapping)
+
+
+@torch.library.register_fake("vllm_nvfp4::cp_gather_indexer_k_quant_cache")
+def _(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
+    _check_same_device("cp_gather_indexer_k_quant_cache", kv_cache=kv_cache, dst_k=dst_k, dst_scale=dst_scale,
+                       block_table=block_table, cu_seq_lens=cu_seq_lens)
+
+
+def reshape_and_cache_nvfp4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+                            v_scale: torch.Tensor, swizzle_v_scales: bool) -> None:
+    """Quantize `key`/`value` `[n, heads, head_size]` to NVFP4 into their slots (FORMATS.md §1)."""
+    _ops.reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                                 swizzle_v_scales)
+
+
+def gather_nvfp4_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+                          cu_seq_lens: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                          swizzle_v_scales: bool, out_key: torch.Tensor, out_value: torch.Tensor) -> None:
+    """Dequantize every cached token of each sequence into row `cu_seq_lens[b] + p` of `out_key`/`out_value`."""
+    _ops.gather_nvfp4_kv_cache(key_cache, value_cache, block_table, cu_seq_lens, k_scale, v_scale,
+                               swizzle_v_scales, out_key, out_value)
+
+
+def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                              quant_block_size: int, scale_fmt: str) -> None:
+    """Quantize indexer keys `[n, head_dim]` to FP8 with per-block scales into their slots (FORMATS.md §2)."""
+    _ops.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt)
+
+
+def cp_gather_indexer_k_quant_cache(kv_cache: torch.Tensor, dst_k: torch.Tensor, dst_scale: torch.Tensor,
+                                    block_table: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
+    """Copy each sequence's cached FP8 keys and scale bytes into contiguous rows of `dst_k`/`dst_scale`."""
+    _ops.cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
