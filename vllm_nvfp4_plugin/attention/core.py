@@ -1,0 +1,149 @@
+"""Attention over the NVFP4 paged KV cache, independent of vLLM.
+
+The path here runs on any device the plugin's ops run on: store the step's keys and values into the
+cache, gather and dequantize every request's context (cached prefix, earlier chunks and this step's
+tokens alike) into a float32 workspace, and attend with torch's SDPA. Every query therefore reads
+its keys and values through the quantized cache, whether it is a decode step, a prefill chunk over
+a cached prefix, or a whole prompt.
+
+Requests that decode one token are attended together (padded to the longest context, masked);
+requests with several query tokens (prefill, chunked prefill) one by one with a causal mask whose
+diagonal is offset by the context that precedes the chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import reference as kv_ops
+from ..layout import NVFP4PageLayout
+from .metadata import NVFP4AttentionMetadata
+
+SUPPORTED_HEAD_SIZES = (64, 128, 256)
+COMPUTE_DTYPE = torch.float32  # dequantized K/V and the softmax; AVX2 CPUs multiply fp32 fastest
+
+
+def check_supported(head_size: int, num_heads: int, num_kv_heads: int, *, sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None, alibi_slopes=None, sinks=None) -> None:
+    """Raise naming the first argument this attention cannot honour (checked once, at engine start)."""
+    if head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"NVFP4 KV cache attention supports head_size in {SUPPORTED_HEAD_SIZES}, got {head_size}")
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    if sliding_window is not None and sliding_window != -1:
+        raise NotImplementedError(f"NVFP4 KV cache attention does not support sliding window "
+                                  f"(sliding_window={sliding_window})")
+    if logits_soft_cap:
+        raise NotImplementedError(f"NVFP4 KV cache attention does not support logits soft-cap "
+                                  f"(logits_soft_cap={logits_soft_cap})")
+    if alibi_slopes is not None:
+        raise NotImplementedError("NVFP4 KV cache attention does not support ALiBi (alibi_slopes given)")
+    if sinks is not None:
+        raise NotImplementedError("NVFP4 KV cache attention does not support attention sinks (sinks given)")
+
+
+def cache_layout(kv_cache: torch.Tensor, swizzle_v_scales: bool = False) -> NVFP4PageLayout:
+    """Layout of a `[num_blocks, 2, block_size, num_heads, full_dim]` uint8 cache (NHD or HND)."""
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 5 or kv_cache.size(1) != 2:
+        raise ValueError(f"kv_cache must be uint8 [num_blocks, 2, block_size, num_heads, full_dim], "
+                         f"got {kv_cache.dtype} of shape {tuple(kv_cache.shape)}")
+    return NVFP4PageLayout.from_side_cache(kv_cache[:, 0], swizzle_v_scales)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor, v_scale: torch.Tensor, swizzle_v_scales: bool = False) -> None:
+    """Quantize the first `len(slot_mapping)` tokens of `key`/`value` `[n, kv_heads, head]` into their slots."""
+    cache_layout(kv_cache, swizzle_v_scales)
+    kv_ops.reshape_and_cache_nvfp4(key, value, kv_cache[:, 0], kv_cache[:, 1], slot_mapping,
+                                   k_scale, v_scale, swizzle_v_scales)
+
+
+class DequantWorkspace:
+    """Float32 buffers for one batch's dequantized K and V, grown on demand and reused across layers
+    (layers run one after another, so one workspace per process is enough)."""
+
+    def __init__(self):
+        self._key = self._value = None
+
+    def get(self, num_tokens: int, num_heads: int, head_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (num_tokens, num_heads, head_size)
+        numel = num_tokens * num_heads * head_size
+        if self._key is None or self._key.numel() < numel or self._key.device != torch.device(device):
+            self._key = torch.empty(numel, dtype=COMPUTE_DTYPE, device=device)
+            self._value = torch.empty(numel, dtype=COMPUTE_DTYPE, device=device)
+        return self._key[:numel].view(shape), self._value[:numel].view(shape)
+
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4AttentionMetadata, scale: float,
+                    k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor, *,
+                    swizzle_v_scales: bool = False, workspace: DequantWorkspace | None = None) -> torch.Tensor:
+    """Attention of `query` `[num_tokens, num_heads, head]` over the NVFP4 cache into `out` (same shape).
+
+    Rows past `metadata.num_query_tokens` (padding) are left untouched. `k_scale`/`v_scale` are the
+    float32 global dequant scales the cache was written with.
+    """
+    layout = cache_layout(kv_cache, swizzle_v_scales)
+    num_tokens, num_heads, head_size = query.shape
+    if head_size != layout.head_size or num_heads % layout.num_heads:
+        raise ValueError(f"query [tokens, heads, head] = {tuple(query.shape)} does not fit the cache's "
+                         f"{layout.num_heads} KV heads of size {layout.head_size}")
+    if out.shape != query.shape:
+        raise ValueError(f"out must have the query's shape {tuple(query.shape)}, got {tuple(out.shape)}")
+    query_start = metadata.query_start_loc.tolist()
+    seq_lens = metadata.seq_lens.tolist()
+    if query_start[-1] > num_tokens:
+        raise ValueError(f"query_start_loc[-1] = {query_start[-1]} exceeds the {num_tokens} query tokens")
+    query_lens = [query_start[r + 1] - query_start[r] for r in range(metadata.num_reqs)]
+    if any(q > s for q, s in zip(query_lens, seq_lens)):
+        raise ValueError(f"each request's seq_lens must include its query tokens, got query lens {query_lens} "
+                         f"and seq_lens {seq_lens}")
+
+    context_start = [0]
+    for s in seq_lens:
+        context_start.append(context_start[-1] + s)
+    workspace = workspace or DequantWorkspace()
+    key, value = workspace.get(context_start[-1], layout.num_heads, head_size, query.device)
+    cu_seq_lens = torch.tensor(context_start, dtype=torch.int32).to(query.device)
+    kv_ops.gather_nvfp4_kv_cache(kv_cache[:, 0], kv_cache[:, 1], metadata.block_table, cu_seq_lens,
+                                 k_scale, v_scale, swizzle_v_scales, key, value)
+
+    decodes = [r for r in range(metadata.num_reqs) if query_lens[r] == 1]
+    if decodes:
+        _decode(query, key, value, out, scale, [query_start[r] for r in decodes],
+                [context_start[r] for r in decodes], [seq_lens[r] for r in decodes])
+    for r in range(metadata.num_reqs):
+        if query_lens[r] > 1:
+            q_slice = slice(query_start[r], query_start[r + 1])
+            kv_slice = slice(context_start[r], context_start[r + 1])
+            out[q_slice] = _prefill(query[q_slice], key[kv_slice], value[kv_slice], scale, metadata.causal)
+    return out
+
+
+def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool):
+    """One request: `query` `[n, heads, head]` are the last n of the `[c, kv_heads, head]` context."""
+    n, c = query.size(0), key.size(0)
+    mask = None
+    if causal:  # query i sits at context position c - n + i and sees keys up to it
+        mask = torch.arange(c, device=query.device) <= torch.arange(n, device=query.device)[:, None] + (c - n)
+    o = F.scaled_dot_product_attention(query.transpose(0, 1).to(COMPUTE_DTYPE), key.transpose(0, 1),
+                                       value.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _decode(query, key, value, out, scale: float, query_rows: list[int], context_starts: list[int],
+            context_lens: list[int]) -> None:
+    """Single-token queries of several requests in one SDPA call, contexts padded to the longest."""
+    device = query.device
+    longest = max(context_lens)
+    positions = torch.arange(longest, device=device)
+    lens = torch.tensor(context_lens, device=device)
+    # Padding positions read some valid row; the mask hides them.
+    rows = (torch.tensor(context_starts, device=device)[:, None] + positions).clamp_(max=key.size(0) - 1)
+    keys = key[rows].transpose(1, 2)  # [reqs, kv_heads, longest, head]
+    values = value[rows].transpose(1, 2)
+    mask = (positions < lens[:, None])[:, None, None, :]
+    q_rows = torch.tensor(query_rows, device=device)
+    q = query[q_rows].to(COMPUTE_DTYPE).unsqueeze(2)  # [reqs, heads, 1, head]
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    out[q_rows] = o.squeeze(2).to(out.dtype)
