@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .. import reference as kv_ops
+from .. import ops as kv_ops
 from ..layout import NVFP4PageLayout
 from .metadata import NVFP4AttentionMetadata
 
