@@ -61,8 +61,9 @@ NVFP4PageLayout side_cache_layout(const char* op, const Tensor& key_cache, const
   const bool hnd = key_cache.stride(2) > key_cache.stride(1);
   const NVFP4PageLayout layout{full_dim / 9 * 16, block_size, num_heads, hnd, swizzle_v_scales};
   const int inner = hnd ? 1 : 2, outer = hnd ? 2 : 1;
-  STD_TORCH_CHECK(key_cache.stride(3) == 1 && key_cache.stride(inner) == full_dim &&
-                      key_cache.stride(outer) == full_dim * key_cache.size(inner) &&
+  // A dim of size 1 may carry any stride.
+  STD_TORCH_CHECK(key_cache.stride(3) == 1 && (key_cache.size(inner) == 1 || key_cache.stride(inner) == full_dim) &&
+                      (key_cache.size(outer) == 1 || key_cache.stride(outer) == full_dim * key_cache.size(inner)) &&
                       (key_cache.size(0) <= 1 || key_cache.stride(0) >= layout.side_bytes()),
                   op, ": key_cache: each block side must be contiguous NHD or HND bytes, got shape ",
                   shape_of(key_cache), " strides [", key_cache.stride(0), ", ", key_cache.stride(1), ", ",
