@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Installs what is needed (scripts/install.sh), then runs the whole test suite. What .ci/run calls.
+#
+#   bash scripts/test.sh                      # the whole suite
+#   bash scripts/test.sh tests/test_models.py # or any pytest arguments instead of "tests"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
+export PYTHON
+
+start=$SECONDS
+bash scripts/install.sh
+install_s=$((SECONDS - start))
+echo "== install took ${install_s}s"
+
+# Everything the tests need is local: never wait on a hub.
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+start=$SECONDS
+set +e
+[[ $# -gt 0 ]] || set -- tests
+"$PYTHON" -m pytest -ra -p no:cacheprovider --timeout=1200 --durations=30 "$@"
+status=$?
+set -e
+echo "== tests took $((SECONDS - start))s (install ${install_s}s)"
+if [[ $status -eq 5 ]]; then
+  echo "pytest collected no tests: that is a failure" >&2
+  exit 1
+fi
+exit $status
