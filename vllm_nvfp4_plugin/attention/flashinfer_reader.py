@@ -1,19 +1,28 @@
-"""Decode attention that reads the plugin's NVFP4 cache through FlashInfer's fa2 kernels.
+"""CUDA attention over the plugin's NVFP4 cache: decodes through FlashInfer's fa2 kernels, the rest through the core.
 
 FlashInfer (0.7) treats a uint8 paged cache plus `kv_cache_sf` e4m3 block scales as NVFP4, on SM80, SM90
 and SM120 through its fa2 tensor-core decode. It takes any page/token/head strides, so the data and scale
 regions of our `[DATA | SCALES]` sides are handed to it as strided views of the same bytes: nothing is
 copied. It needs linear V scales (a cache stored with `swizzle_v_scales=False`) and misreads head size 64,
-so callers route head 64 (and machines without FlashInfer) to the attention core's gather path.
+so head 64 (and machines without FlashInfer) go to the attention core's gather path. Prefill and
+chunked prefill always go to the core: on Hopper, fa2's NVFP4 prefill runs at about half its bf16 speed,
+while dequantizing the pages into a workspace first costs little (GPU.md).
+
+Both readers take linear V scales: the cache is stored with `SWIZZLE_V_SCALES` (False).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 
 from ..layout import NVFP4PageLayout
+from .core import DequantWorkspace, paged_attention
+from .metadata import NVFP4AttentionMetadata
+
+SWIZZLE_V_SCALES = False  # fa2 and the core's gather both read linear V scales
 
 FA2_NVFP4_HEAD_SIZES = (128, 256)  # fa2 misreads NVFP4 at head 64
 FA2_NVFP4_ARCH_MAJORS = (8, 9, 12)  # SM8x, SM90, SM12x read NVFP4 with fa2 (SM100 uses trtllm-gen)
@@ -127,3 +136,58 @@ class FlashInferNVFP4Decoder:
         v_data, v_sf = nvfp4_flashinfer_views(value_cache, layout)
         return self._wrapper.run(query, (k_data, v_data), kv_cache_sf=(k_sf, v_sf),
                                  k_scale=float(k_scale), v_scale=float(v_scale), out=out)
+
+
+@dataclass
+class CudaBatch:
+    """One batch as the CUDA path runs it: the leading `num_decodes` single-token requests through
+    `decoder` (FlashInfer, already planned), the other requests (`rest`, query rows from `num_decodes` on)
+    through the core. Without a decoder every request is in `rest`."""
+
+    num_decodes: int
+    decoder: FlashInferNVFP4Decoder | None
+    rest: NVFP4AttentionMetadata | None
+
+
+def plan_batch(metadata: NVFP4AttentionMetadata, query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor,
+               decoder: FlashInferNVFP4Decoder | None, num_q_heads: int, num_kv_heads: int, head_size: int,
+               block_size: int, q_dtype: torch.dtype, sm_scale: float) -> CudaBatch:
+    """Split a batch whose decode requests come first (vLLM reorders them so) and plan the decoder for them."""
+    num_decodes = 0
+    if decoder is not None:
+        query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+            num_decodes += 1
+    if num_decodes:
+        decoder.plan(metadata.block_table[:num_decodes], seq_lens_cpu[:num_decodes], num_q_heads, num_kv_heads,
+                     head_size, block_size, q_dtype, sm_scale)
+    if num_decodes == metadata.num_reqs:
+        return CudaBatch(num_decodes, decoder, None)
+    if num_decodes == 0:
+        return CudaBatch(0, None, metadata)
+    query_start = metadata.query_start_loc[num_decodes:]
+    rest = NVFP4AttentionMetadata(
+        query_start_loc=query_start - query_start[0],
+        seq_lens=metadata.seq_lens[num_decodes:],
+        block_table=metadata.block_table[num_decodes:metadata.num_reqs],
+        slot_mapping=metadata.slot_mapping[num_decodes:],
+        causal=metadata.causal,
+    )
+    return CudaBatch(num_decodes, decoder, rest)
+
+
+def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: CudaBatch, scale: float,
+                         k_scale: torch.Tensor, v_scale: torch.Tensor, k_scale_float: float, v_scale_float: float,
+                         out: torch.Tensor, workspace: DequantWorkspace | None = None) -> torch.Tensor:
+    """Attention of `query` `[num_tokens, num_heads, head]` over the `[num_blocks, 2, block, heads, full]` cache.
+
+    The global dequant scales come twice: as float32 device tensors for the core's gather and as floats
+    for FlashInfer (which folds them into its softmax scale and output).
+    """
+    n = batch.num_decodes
+    if n:
+        batch.decoder.run(query[:n], kv_cache[:, 0], kv_cache[:, 1], k_scale_float, v_scale_float, out[:n])
+    if batch.rest is not None:
+        paged_attention(query[n:], kv_cache, batch.rest, scale, k_scale, v_scale, out[n:],
+                        swizzle_v_scales=SWIZZLE_V_SCALES, workspace=workspace)
+    return out

@@ -1,0 +1,161 @@
+"""The CUSTOM (CUDA) backend's vLLM-facing parts, on CPU tensors: registration, configuration checks, spec,
+and builder + impl end to end over a vLLM-shaped cache (on CPU the core path serves every request)."""
+
+import pytest
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import CommonAttentionMetadata
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
+
+from vllm_nvfp4_plugin import reference
+from vllm_nvfp4_plugin.backends import register_attention_backends
+from vllm_nvfp4_plugin.backends.cuda import NVFP4CudaBackend, NVFP4CudaImpl, NVFP4CudaMetadataBuilder
+from vllm_nvfp4_plugin.layout import NVFP4PageLayout
+
+HOPPER = DeviceCapability(9, 0)
+
+
+def test_registered_as_custom():
+    register_attention_backends()
+    assert AttentionBackendEnum.CUSTOM.get_class() is NVFP4CudaBackend
+    assert AttentionBackendEnum[NVFP4CudaBackend.get_name()] is AttentionBackendEnum.CUSTOM
+
+
+def _reasons(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="nvfp4", has_sink=False, capability=HOPPER,
+             **kwargs):
+    return NVFP4CudaBackend.validate_configuration(head_size, dtype, kv_cache_dtype, 16, False, has_sink, False,
+                                                   False, False, capability, "decoder", **kwargs)
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_valid_configuration(head_size):
+    assert _reasons(head_size) == []
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"kv_cache_dtype": "auto"}, "needs kv_cache_dtype='nvfp4'"),
+    ({"kv_cache_dtype": "fp8"}, "needs kv_cache_dtype='nvfp4'"),
+    ({"kv_cache_dtype": "nvfp4_4over6"}, "kv_cache_dtype not supported"),
+    ({"head_size": 96}, "head_size not supported"),
+    ({"dtype": torch.float32}, "dtype not supported"),
+    ({"has_sink": True}, "attention sinks not supported"),
+    ({"has_sliding_window": True}, "sliding window not supported"),
+    ({"capability": DeviceCapability(7, 5)}, "compute capability not supported"),
+])
+def test_invalid_configuration_names_the_reason(kwargs, reason):
+    assert any(reason in r for r in _reasons(**kwargs))
+
+
+def test_customize_spec_packs_the_nvfp4_page():
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.uint8,
+                             kv_quant_mode=KVQuantMode.NVFP4)
+    packed = NVFP4CudaBackend.customize_spec(spec)
+    assert packed.num_heads == 16 and packed.state_content_bytes == 72
+    assert packed.page_size_bytes == NVFP4PageLayout(128, 16, 8).page_bytes
+
+
+@pytest.fixture(scope="module")
+def vllm_config():
+    config = VllmConfig()
+    with set_current_vllm_config(config):
+        yield config
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"kv_cache_dtype": "auto"}, ValueError, "kv_cache_dtype='nvfp4' only"),
+    ({"logits_soft_cap": 30.0}, NotImplementedError, "soft-cap"),
+    ({"sliding_window": 4096}, NotImplementedError, "sliding window"),
+    ({"sinks": torch.zeros(8)}, NotImplementedError, "sinks"),
+    ({"alibi_slopes": [0.5] * 8}, NotImplementedError, "ALiBi"),
+    ({"attn_type": "encoder_only"}, NotImplementedError, "decoder attention only"),
+    ({"head_size": 96}, ValueError, "head_size"),
+])
+def test_impl_rejects_unsupported_layers(vllm_config, kwargs, error, match):
+    args = {"num_heads": 8, "head_size": 128, "scale": 0.1, "num_kv_heads": 2, "kv_cache_dtype": "nvfp4", **kwargs}
+    with pytest.raises(error, match=match):
+        NVFP4CudaImpl(**args)
+
+
+K_SCALE, V_SCALE = 0.75, 1.25
+
+
+def _vllm_layer_cache(num_blocks, num_kv_heads, block_size, full_dim, hnd):
+    """The per-layer view vLLM hands a backend, `[num_blocks, 2*kv_heads, block_size, full_dim]`, in the
+    physical order of LBHNC (HND) or LBNHC (NHD), filled with garbage."""
+    if hnd:
+        return torch.full((num_blocks, 2 * num_kv_heads, block_size, full_dim), 0xEE, dtype=torch.uint8)
+    physical = torch.full((num_blocks, block_size, 2 * num_kv_heads, full_dim), 0xEE, dtype=torch.uint8)
+    return physical.permute(0, 2, 1, 3)
+
+
+def _dequantized(x, g):
+    return reference.nvfp4_decode(*reference.nvfp4_encode(x, g), g)
+
+
+@pytest.mark.parametrize("hnd", [False, True])
+def test_builder_and_impl_match_fp32_attention(vllm_config, hnd):
+    """Two decodes, a chunk over a cached prefix and a fresh prompt, plus padding rows, through
+    build → do_kv_cache_update → forward, against fp32 attention over the dequantized K/V."""
+    gen = torch.Generator().manual_seed(int(hnd))
+    heads, kv_heads, d, block = 8, 2, 64, 16
+    requests = [(1, 40), (1, 7), (5, 33), (12, 12)]  # (query_len, context_len)
+    num_padding = 3
+    spec = NVFP4CudaBackend.customize_spec(FullAttentionSpec(
+        block_size=block, num_kv_heads=kv_heads, head_size=d, dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4))
+    builder = NVFP4CudaMetadataBuilder(spec, ["layer"], vllm_config, torch.device("cpu"))
+    impl = NVFP4CudaImpl(heads, d, d ** -0.5, kv_heads, None, None, "nvfp4")
+    layer = torch.nn.Module()  # the attributes vLLM's Attention layer carries for the global scales
+    layer._k_scale, layer._v_scale = torch.tensor(K_SCALE), torch.tensor(V_SCALE)
+    layer._k_scale_float, layer._v_scale_float = K_SCALE, V_SCALE
+
+    blocks_per_req = [-(-c // block) for _, c in requests]
+    num_blocks = sum(blocks_per_req) + 2
+    kv_cache = _vllm_layer_cache(num_blocks, kv_heads, block, spec.state_content_bytes, hnd)
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(requests), max(blocks_per_req), dtype=torch.int32)
+    used = 0
+    for r, nb in enumerate(blocks_per_req):
+        table[r, :nb] = order[used:used + nb]
+        used += nb
+    ks = [torch.randn(c, kv_heads, d, generator=gen).bfloat16() for _, c in requests]
+    vs = [torch.randn(c, kv_heads, d, generator=gen).bfloat16() for _, c in requests]
+    qs = [torch.randn(n, heads, d, generator=gen).bfloat16() for n, _ in requests]
+
+    def slots(r, positions):
+        return table[r, positions // block].long() * block + positions % block
+
+    for r, (n, c) in enumerate(requests):  # earlier steps' tokens
+        if c > n:
+            impl.do_kv_cache_update(layer, ks[r][:c - n], vs[r][:c - n], kv_cache, slots(r, torch.arange(c - n)))
+
+    query = torch.cat(qs + [torch.zeros(num_padding, heads, d, dtype=torch.bfloat16)])
+    key = torch.cat([k[c - n:] for k, (n, c) in zip(ks, requests)])
+    value = torch.cat([v[c - n:] for v, (n, c) in zip(vs, requests)])
+    slot_mapping = torch.cat([slots(r, torch.arange(c - n, c)) for r, (n, c) in enumerate(requests)])
+    query_start = torch.zeros(len(requests) + 1, dtype=torch.int32)
+    query_start[1:] = torch.cumsum(torch.tensor([n for n, _ in requests]), 0)
+    seq_lens = torch.tensor([c for _, c in requests], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start, query_start_loc_cpu=query_start, seq_lens=seq_lens,
+        num_reqs=len(requests), num_actual_tokens=int(query_start[-1]), max_query_len=12, max_seq_len=40,
+        block_table_tensor=table, slot_mapping=slot_mapping, seq_lens_cpu_upper_bound=seq_lens)
+    metadata = builder.build(0, common)
+
+    impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+    output = torch.full((query.shape[0], heads * d), 7.0, dtype=torch.bfloat16)
+    impl.forward(layer, query, key, value, kv_cache, metadata, output)
+
+    out = output.view(query.shape)
+    start = 0
+    for r, (n, c) in enumerate(requests):
+        k = _dequantized(ks[r], K_SCALE).repeat_interleave(heads // kv_heads, 1)
+        v = _dequantized(vs[r], V_SCALE).repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("nhd,chd->hnc", qs[r].float(), k) * d ** -0.5
+        allowed = torch.arange(c)[None, :] <= torch.arange(n)[:, None] + (c - n)
+        expected = torch.einsum("hnc,chd->nhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
+        got = out[start:start + n].float()
+        assert ((got - expected).norm() / expected.norm()).item() <= 1e-2, f"request {r}"
+        start += n
+    assert torch.all(out[start:] == 7.0), "padding rows must stay untouched"
