@@ -1,0 +1,89 @@
+"""The NVFP4 KV-cache spec and the mapping of vLLM's allocated views onto the FORMATS.md page."""
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, KVQuantMode, create_kv_cache_views
+
+from vllm_nvfp4_plugin import reference
+from vllm_nvfp4_plugin.attention import store_kv
+from vllm_nvfp4_plugin.backends.cpu import NVFP4CPUAttentionBackend
+from vllm_nvfp4_plugin.layout import NVFP4PageLayout
+from vllm_nvfp4_plugin.spec import HND_LAYOUTS, NHD_LAYOUTS, customize_nvfp4_spec, page_view
+
+
+def nvfp4_spec(head_size=64, num_kv_heads=3, block_size=32, **kw):
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                             dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4, **kw)
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_page_is_the_nvfp4_page(head_size):
+    spec = NVFP4CPUAttentionBackend.customize_spec(nvfp4_spec(head_size, num_kv_heads=3, block_size=128))
+    layout = NVFP4PageLayout(head_size, 128, 3)
+    assert spec.num_heads == 6 and spec.state_content_size_bytes == head_size // 2 + head_size // 16
+    assert spec.page_size_bytes == layout.page_bytes == 128 * 3 * 2 * (head_size // 2 + head_size // 16)
+    bf16 = FullAttentionSpec(block_size=128, num_kv_heads=3, head_size=head_size, dtype=torch.bfloat16)
+    assert NVFP4CPUAttentionBackend.customize_spec(bf16) == bf16  # other dtypes: the parent's spec
+    assert bf16.page_size_bytes / spec.page_size_bytes > 3.5
+    assert customize_nvfp4_spec(spec) == spec  # idempotent
+
+
+def test_spec_rejects_what_the_page_cannot_hold():
+    with pytest.raises(ValueError, match="head_size"):
+        customize_nvfp4_spec(nvfp4_spec(head_size=96))
+    with pytest.raises(NotImplementedError, match="head_size_v"):
+        customize_nvfp4_spec(nvfp4_spec(head_size=128, head_size_v=64))
+
+
+@pytest.mark.parametrize("layout_kind", HND_LAYOUTS + NHD_LAYOUTS, ids=lambda k: k.name)
+def test_page_view_of_vllm_allocation(layout_kind):
+    """Views that vLLM itself builds for two layers; tokens stored through `page_view` land at the
+    FORMATS.md offsets of their own layer's page, and nothing else changes."""
+    num_blocks, num_layers, head_size, kv_heads, block_size = 5, 2, 64, 2, 32
+    spec = customize_nvfp4_spec(nvfp4_spec(head_size, kv_heads, block_size))
+    page = spec.page_size_bytes
+    layer_outer = layout_kind.is_layer_compact
+    tensor = KVCacheTensor(size=page * num_blocks * num_layers, layers=["l0", "l1"],
+                           layer_stride=page * num_blocks if layer_outer else page,
+                           block_stride=page if layer_outer else page * num_layers)
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, num_blocks, layout_kind, tensor)
+    hnd = layout_kind in HND_LAYOUTS
+    layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd=hnd)
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(7, kv_heads, head_size, generator=gen).to(torch.bfloat16)
+    v = torch.randn(7, kv_heads, head_size, generator=gen).to(torch.bfloat16)
+    slots = torch.tensor([0, 1, 31, 32, 70, 100, 159])
+    cache = page_view(views[1].view(torch.uint8), kv_heads)
+    assert NVFP4PageLayout.is_hnd(cache[:, 0]) == hnd
+    store_kv(k, v, cache, slots, torch.tensor(1.0), torch.tensor(2.0))
+
+    raw_bytes = raw.view(torch.uint8)
+    touched = torch.zeros_like(raw_bytes, dtype=torch.bool)
+    for i, slot in enumerate(slots.tolist()):
+        block, t = divmod(slot, block_size)
+        page_start = tensor.layer_stride * 1 + tensor.block_stride * block
+        for side, x, g in ((0, k, 1.0), (1, v, 2.0)):
+            packed, sf = reference.nvfp4_encode(x[i], g)
+            side_start = page_start + side * layout.side_bytes
+            for h in range(kv_heads):
+                d = side_start + layout.data_offset(t, h)
+                s = side_start + layout.scale_offset(t, h, 0)
+                assert torch.equal(raw_bytes[d:d + layout.data_dim], packed[h])
+                assert torch.equal(raw_bytes[s:s + layout.scale_dim], sf[h].view(torch.uint8))
+                touched[d:d + layout.data_dim] = True
+                touched[s:s + layout.scale_dim] = True
+    assert not raw_bytes[~touched].any(), "bytes outside the stored entries changed"
+
+
+def test_page_view_rejects_other_layouts_and_shapes():
+    num_blocks, slots, block_size, full_dim = 4, 4, 32, 36
+    # Head slots outermost (as LHBNC lays them out): a block's page is not one run of bytes.
+    head_outer = torch.zeros(num_blocks * slots * block_size * full_dim, dtype=torch.uint8).as_strided(
+        (num_blocks, slots, block_size, full_dim), (block_size * full_dim, num_blocks * block_size * full_dim,
+                                                    full_dim, 1))
+    with pytest.raises(ValueError, match="dense"):
+        page_view(head_outer, 2)
+    with pytest.raises(ValueError, match="2\\*num_kv_heads"):
+        page_view(torch.zeros(4, 3, 32, 36, dtype=torch.uint8), 2)
