@@ -1,13 +1,13 @@
 """FlashInfer reader views (CPU) and the CUDA attention paths (GPU) against fp32 attention over the dequantized cache."""
 
-import math
-
 import pytest
 import torch
 
 from vllm_nvfp4_plugin import reference
+from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata, paged_attention, store_kv
 from vllm_nvfp4_plugin.attention.flashinfer_reader import (
-    FlashInferNVFP4Decoder, flashinfer_decode_unavailable_reason, nvfp4_flashinfer_views)
+    FlashInferNVFP4Decoder, cuda_paged_attention, flashinfer_decode_unavailable_reason, nvfp4_flashinfer_views,
+    plan_batch)
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 
 K_SCALE, V_SCALE = 0.75, 1.25  # non-unit global dequant scales, as a checkpoint may give
@@ -49,78 +49,111 @@ def test_head_64_and_cpu_are_not_flashinfer():
 
 # --- GPU -----------------------------------------------------------------------------------------
 
-def _dequantized(cache, layout, block_table, seq_lens):
-    """fp32 K, V `[total_tokens, heads, head]` of each sequence's cached tokens, by the reference gather."""
-    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(seq_lens), 0)
-    total = int(cu[-1])
-    out_k = torch.empty(total, layout.num_heads, layout.head_size, device=cache.device)
-    out_v = torch.empty_like(out_k)
-    reference.gather_nvfp4_kv_cache(cache[:, 0], cache[:, 1], block_table, cu.to(cache.device),
-                                    torch.tensor(K_SCALE), torch.tensor(V_SCALE), False, out_k, out_v)
-    return out_k, out_v, cu.tolist()
+# (query_len, context_len): three decodes, a fresh prompt, a chunk over a cached prefix; decodes first, as vLLM orders.
+REQUESTS = [(1, 1), (1, 300), (1, 1025), (7, 7), (16, 200)]
+NUM_Q_HEADS, NUM_KV_HEADS, BLOCK_SIZE, NUM_PADDING = 8, 2, 16, 2
 
 
-def _fp32_attention(q, k, v, causal_offset=None):
-    """Exact attention of `q` `[n, hq, d]` over `k, v` `[L, hkv, d]` (GQA); causal if `causal_offset` is given."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, 1).float()
-    v = v.repeat_interleave(group, 1).float()
-    logits = torch.einsum("nhd,lhd->hnl", q.float(), k) / math.sqrt(q.shape[-1])
-    if causal_offset is not None:  # query i sits at position causal_offset + i
-        pos_q = torch.arange(q.shape[0], device=q.device).view(-1, 1) + causal_offset
-        logits = logits.masked_fill(torch.arange(k.shape[0], device=q.device).view(1, -1) > pos_q, float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", logits.softmax(-1), v)
+class DeviceBatch:
+    """A batch on the GPU: each request's first context_len - query_len tokens stored in an earlier step,
+    this step's tokens stored now (by the compiled CUDA op), blocks shuffled, garbage in unused bytes."""
+
+    def __init__(self, layout, device, gen):
+        self.layout = layout
+        d = layout.head_size
+        blocks_per_req = [-(-c // layout.block_size) for _, c in REQUESTS]
+        num_blocks = sum(blocks_per_req) + 3
+        self.cache = layout.allocate(num_blocks, device, fill=0xFF)
+        order = torch.randperm(num_blocks, generator=gen)
+        table = torch.zeros(len(REQUESTS), max(blocks_per_req), dtype=torch.int32)
+        used = 0
+        for r, nb in enumerate(blocks_per_req):
+            table[r, :nb] = order[used:used + nb]
+            used += nb
+        self.k = [torch.randn(c, layout.num_heads, d, generator=gen).bfloat16() for _, c in REQUESTS]
+        self.v = [torch.randn(c, layout.num_heads, d, generator=gen).bfloat16() for _, c in REQUESTS]
+        self.q = [torch.randn(n, NUM_Q_HEADS, d, generator=gen).bfloat16() for n, _ in REQUESTS]
+        k_scale, v_scale = torch.tensor(K_SCALE, device=device), torch.tensor(V_SCALE, device=device)
+
+        def slots(r, lo, hi):
+            pos = torch.arange(lo, hi)
+            return table[r, pos // layout.block_size].long() * layout.block_size + pos % layout.block_size
+
+        earlier = [(r, c - n) for r, (n, c) in enumerate(REQUESTS) if c > n]
+        store_kv(torch.cat([self.k[r][:m] for r, m in earlier]).to(device),
+                 torch.cat([self.v[r][:m] for r, m in earlier]).to(device), self.cache,
+                 torch.cat([slots(r, 0, m) for r, m in earlier]).to(device), k_scale, v_scale)
+        slot_mapping = torch.cat([slots(r, c - n, c) for r, (n, c) in enumerate(REQUESTS)]).to(device)
+        store_kv(torch.cat([k[c - n:] for k, (n, c) in zip(self.k, REQUESTS)]).to(device),
+                 torch.cat([v[c - n:] for v, (n, c) in zip(self.v, REQUESTS)]).to(device), self.cache,
+                 slot_mapping, k_scale, v_scale)
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.query = torch.cat(self.q + [torch.zeros(NUM_PADDING, NUM_Q_HEADS, d, dtype=torch.bfloat16)]).to(device)
+        self.metadata = NVFP4AttentionMetadata.from_lengths([n for n, _ in REQUESTS], [c for _, c in REQUESTS],
+                                                            table.to(device), slot_mapping)
+        self.query_start_cpu = self.metadata.query_start_loc.cpu()
+        self.seq_lens_cpu = self.metadata.seq_lens.cpu()
+
+    def check(self, out, scale, label):
+        """rel-L2 of each request's output against fp32 attention over the reference-dequantized K/V."""
+        out = out.cpu()
+        start = 0
+        for r, (n, c) in enumerate(REQUESTS):
+            k = reference.nvfp4_decode(*reference.nvfp4_encode(self.k[r], K_SCALE), K_SCALE)
+            v = reference.nvfp4_decode(*reference.nvfp4_encode(self.v[r], V_SCALE), V_SCALE)
+            group = NUM_Q_HEADS // self.layout.num_heads
+            scores = torch.einsum("nhd,chd->hnc", self.q[r].float(), k.repeat_interleave(group, 1)) * scale
+            allowed = torch.arange(c)[None, :] <= torch.arange(n)[:, None] + (c - n)
+            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+            expected = torch.einsum("hnc,chd->nhd", probs, v.repeat_interleave(group, 1))
+            err = ((out[start:start + n].float() - expected).norm() / expected.norm()).item()
+            print(f"{label} request (q={n}, ctx={c}) rel_l2={err:.2e}")
+            assert err <= 1e-2, f"{label}: request {r} (q={n}, ctx={c}) rel-L2 {err:.3e}"
+            start += n
+        assert torch.all(out[start:] == 7.0), f"{label}: padding rows must stay untouched"
 
 
-def _rel_l2(x, ref):
-    return ((x.float() - ref).norm() / ref.norm()).item()
-
-
-def _decode_batch(layout, seq_lens, device, gen):
-    """A cache holding `seq_lens` tokens per sequence in shuffled blocks, and its block table."""
-    blocks_per_seq = [(n + layout.block_size - 1) // layout.block_size for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    perm = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-    slots, start = [], 0
-    for i, (n, nb) in enumerate(zip(seq_lens, blocks_per_seq)):
-        table[i, :nb] = perm[start:start + nb]
-        start += nb
-        pos = torch.arange(n)
-        slots.append(table[i, pos // layout.block_size].long() * layout.block_size + pos % layout.block_size)
-    cache = layout.allocate(num_blocks, device, fill=0)
-    total = sum(seq_lens)
-    k = torch.randn(total, layout.num_heads, layout.head_size, generator=gen).to(device, torch.bfloat16)
-    v = torch.randn(total, layout.num_heads, layout.head_size, generator=gen).to(device, torch.bfloat16)
-    from vllm_nvfp4_plugin import ops
-    ops.reshape_and_cache_nvfp4(k, v, cache[:, 0], cache[:, 1], torch.cat(slots).to(device),
-                                torch.tensor(K_SCALE, device=device), torch.tensor(V_SCALE, device=device), False)
-    return cache, table.to(device)
+@pytest.mark.gpu
+@pytest.mark.parametrize("hnd", [False, True])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_core_on_cuda_matches_fp32_attention(head_size, hnd):
+    """The core (CUDA store, CUDA gather+dequantize, SDPA) for decodes, a prompt and a chunk over a prefix."""
+    gen = torch.Generator().manual_seed(head_size + hnd)
+    batch = DeviceBatch(NVFP4PageLayout(head_size, BLOCK_SIZE, NUM_KV_HEADS, hnd=hnd), "cuda", gen)
+    out = torch.full_like(batch.query, 7.0)
+    scale = head_size ** -0.5
+    paged_attention(batch.query, batch.cache, batch.metadata, scale, batch.k_scale, batch.v_scale, out)
+    batch.check(out, scale, f"core head={head_size} {'HND' if hnd else 'NHD'}")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("hnd", [False, True])
 @pytest.mark.parametrize("head_size", [128, 256])
-def test_flashinfer_decode_matches_fp32_attention(hnd, head_size):
+def test_flashinfer_decode_plus_core_prefill_matches_fp32_attention(head_size, hnd):
+    """The CUDA backend's path: the three leading decodes through FlashInfer fa2, the rest through the core."""
     pytest.importorskip("flashinfer")
-    device = torch.device("cuda")
-    reason = flashinfer_decode_unavailable_reason(head_size, device)
+    reason = flashinfer_decode_unavailable_reason(head_size, torch.device("cuda"))
     if reason:
         pytest.skip(reason)
     gen = torch.Generator().manual_seed(head_size + hnd)
-    layout = NVFP4PageLayout(head_size, block_size=16, num_heads=2, hnd=hnd)
-    seq_lens = [1, 17, 300, 1025]
-    cache, table = _decode_batch(layout, seq_lens, device, gen)
-    q = torch.randn(len(seq_lens), 8, head_size, generator=gen).to(device, torch.bfloat16)
-    decoder = FlashInferNVFP4Decoder(device, hnd)
-    decoder.plan(table, torch.tensor(seq_lens, dtype=torch.int32), 8, 2, head_size, 16, torch.bfloat16,
-                 1 / math.sqrt(head_size))
-    out = torch.empty_like(q)
-    decoder.run(q, cache[:, 0], cache[:, 1], K_SCALE, V_SCALE, out)
-    k, v, cu = _dequantized(cache, layout, table, seq_lens)
-    ref = torch.cat([_fp32_attention(q[i:i + 1], k[cu[i]:cu[i + 1]], v[cu[i]:cu[i + 1]])
-                     for i in range(len(seq_lens))])
-    err = _rel_l2(out, ref)
-    print(f"flashinfer decode head={head_size} hnd={hnd} rel_l2={err:.2e}")
-    assert err <= 1e-2
+    batch = DeviceBatch(NVFP4PageLayout(head_size, BLOCK_SIZE, NUM_KV_HEADS, hnd=hnd), "cuda", gen)
+    scale = head_size ** -0.5
+    decoder = FlashInferNVFP4Decoder(torch.device("cuda"), hnd)
+    cuda_batch = plan_batch(batch.metadata, batch.query_start_cpu, batch.seq_lens_cpu, decoder, NUM_Q_HEADS,
+                            NUM_KV_HEADS, head_size, BLOCK_SIZE, torch.bfloat16, scale)
+    assert cuda_batch.num_decodes == 3 and cuda_batch.rest.num_reqs == 2
+    out = torch.full_like(batch.query, 7.0)
+    cuda_paged_attention(batch.query, batch.cache, cuda_batch, scale, batch.k_scale, batch.v_scale, K_SCALE,
+                         V_SCALE, out)
+    batch.check(out, scale, f"flashinfer+core head={head_size} {'HND' if hnd else 'NHD'}")
+
+
+@pytest.mark.gpu
+def test_flashinfer_decoder_refuses_head_64():
+    """fa2 misreads NVFP4 at head 64: the decoder refuses it, so the backend leaves head 64 to the core."""
+    pytest.importorskip("flashinfer")
+    assert "head sizes" in flashinfer_decode_unavailable_reason(64, torch.device("cuda"))
+    decoder = FlashInferNVFP4Decoder(torch.device("cuda"), hnd=False)
+    table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="head sizes"):
+        decoder.plan(table, torch.tensor([1], dtype=torch.int32), 8, 2, 64, 16, torch.bfloat16, 0.125)
