@@ -1,0 +1,161 @@
+// Device helpers shared by the CUDA kernels: the current stream, element loads/stores, the FP8/FP4
+// conversions and the row -> sequence lookup of the gathers.
+//
+// Rounding must match vllm_nvfp4_plugin/reference.py bit for bit: setup.py builds with -fmad=false and
+// without fast math, so every float32 multiply and divide here rounds once, as in the reference.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/Exception.h>
+
+#include <cstdint>
+
+#include "e2m1.h"
+
+namespace vllm_nvfp4::cuda {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+constexpr int WARP = 32;
+
+// PyTorch's current stream on the tensor's device: the ops never synchronize and are graph-capturable.
+inline cudaStream_t current_stream(const Tensor& t) {
+  void* stream = nullptr;
+  STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream) == AOTI_TORCH_SUCCESS,
+                  "could not get the current CUDA stream of device ", t.get_device_index());
+  return static_cast<cudaStream_t>(stream);
+}
+
+inline void check_launch(const char* op) {
+  const cudaError_t err = cudaGetLastError();
+  STD_TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+}
+
+inline bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+// Calls fn(T{}) with T the CUDA type of a bf16/fp16/fp32 tensor dtype (the argument checks allow no other).
+template <typename Fn>
+void dispatch_float_types(const char* op, ScalarType type, Fn&& fn) {
+  switch (type) {
+    case ScalarType::BFloat16: fn(__nv_bfloat16{}); break;
+    case ScalarType::Half: fn(__half{}); break;
+    case ScalarType::Float: fn(float{}); break;
+    default: STD_TORCH_CHECK(false, op, ": unsupported dtype ", type);
+  }
+}
+
+// --- element loads and stores -------------------------------------------------------------------------
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(float x) { return x; }
+
+__device__ __forceinline__ void from_float(float x, __nv_bfloat16* out) { *out = __float2bfloat16_rn(x); }
+__device__ __forceinline__ void from_float(float x, __half* out) { *out = __float2half_rn(x); }
+__device__ __forceinline__ void from_float(float x, float* out) { *out = x; }
+
+// N consecutive elements as float32. kVector: `src` is 16-byte aligned and N * sizeof(T) a multiple of 16,
+// so the elements come in 16-byte loads; otherwise one load per element.
+template <int N, bool kVector, typename T>
+__device__ __forceinline__ void load_floats(const T* src, float (&out)[N]) {
+  if constexpr (kVector) {
+    constexpr int PER_VEC = 16 / sizeof(T);
+    static_assert(N % PER_VEC == 0, "a vector load covers 16 bytes");
+#pragma unroll
+    for (int v = 0; v < N / PER_VEC; ++v) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + v);
+      const T* elems = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < PER_VEC; ++i) out[v * PER_VEC + i] = to_float(elems[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = to_float(src[i]);
+  }
+}
+
+// Stores N float32 values converted to T (round to nearest even), in 16-byte stores when kVector.
+template <int N, bool kVector, typename T>
+__device__ __forceinline__ void store_floats(const float (&in)[N], T* dst) {
+  if constexpr (kVector) {
+    constexpr int PER_VEC = 16 / sizeof(T);
+    static_assert(N % PER_VEC == 0, "a vector store covers 16 bytes");
+#pragma unroll
+    for (int v = 0; v < N / PER_VEC; ++v) {
+      uint4 raw;
+      T* elems = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < PER_VEC; ++i) from_float(in[v * PER_VEC + i], elems + i);
+      reinterpret_cast<uint4*>(dst)[v] = raw;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) from_float(in[i], dst + i);
+  }
+}
+
+// --- FP8 E4M3 -----------------------------------------------------------------------------------------
+
+// Round to nearest even, saturating at ±448: the reference's clamp-then-cast (hardware on SM89+).
+__device__ __forceinline__ uint8_t e4m3_byte(float x) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+// Two values at once, `lo` in the low byte.
+__device__ __forceinline__ uint32_t e4m3_pair(float lo, float hi) {
+  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3));
+}
+
+__device__ __forceinline__ float e4m3_value(uint8_t byte) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(byte, __NV_E4M3)));
+}
+
+// --- FP4 E2M1 -----------------------------------------------------------------------------------------
+
+// Eight E2M1 codes packed into 32 bits, element 2j in the low nibble of byte j (FORMATS.md §1).
+__device__ __forceinline__ uint32_t e2m1_pack8(const float (&x)[8]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && \
+    (defined(__CUDA_ARCH_SPECIFIC__) || defined(__CUDA_ARCH_FAMILY_SPECIFIC__))
+  // Blackwell converts in hardware: cvt puts its first operand in the high nibble.
+  uint32_t packed;
+  asm("{\n"
+      ".reg .b8 b0, b1, b2, b3;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b0, %2, %1;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b1, %4, %3;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b2, %6, %5;\n"
+      "cvt.rn.satfinite.e2m1x2.f32 b3, %8, %7;\n"
+      "mov.b32 %0, {b0, b1, b2, b3};\n"
+      "}"
+      : "=r"(packed)
+      : "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3]), "f"(x[4]), "f"(x[5]), "f"(x[6]), "f"(x[7]));
+  return packed;
+#else
+  uint32_t packed = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) packed |= e2m1_code(x[i]) << (4 * i);
+  return packed;
+#endif
+}
+
+// --- gathers ------------------------------------------------------------------------------------------
+
+// The sequence b holding output row `row`: the last b < batch with cu_seq_lens[b] <= row (empty sequences
+// before it are skipped). A binary search, so large batches cost log2(batch) cached loads per row.
+__device__ __forceinline__ int sequence_of(const int32_t* __restrict__ cu_seq_lens, int batch, int64_t row) {
+  int lo = 0, hi = batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldg(cu_seq_lens + mid) <= row) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+}  // namespace vllm_nvfp4::cuda

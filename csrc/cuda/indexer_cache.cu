@@ -1,0 +1,191 @@
+// CUDA kernels of the DeepSeek-V3.2 indexer K-cache ops (FORMATS.md §2): the FP8 store and the gather of
+// each sequence's cached keys into contiguous rows.
+//
+// Store: one thread owns 8 elements (one 16-byte bf16 load, one 8-byte FP8 store); the quant block's
+// threads are adjacent lanes of one warp and reduce its amax with shuffles. Gather: one thread copies one
+// 16-byte chunk of a row's values (the first chunk's thread also its scale bytes), so a warp moves whole
+// rows; the row's sequence comes from a binary search over cu_seq_lens.
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+
+#include <string>
+
+#include "checks.h"
+#include "common.cuh"
+#include "layout.h"
+
+namespace vllm_nvfp4::cuda {
+namespace {
+
+constexpr int THREADS = 256;
+constexpr int ELEMS = 8;  // elements of k per store thread
+constexpr int CHUNK = 16;  // value bytes per gather thread
+constexpr float E4M3_MAX = 448.0f;
+
+// scale = max(amax, 1e-4) / 448, for ue8m0/mxfp8 rounded up to a power of two; returns its 4 cache bytes.
+__device__ __forceinline__ float quant_scale(float amax, ScaleFormat fmt, uint32_t* scale_word) {
+  float scale = fmaxf(amax, 1e-4f) / E4M3_MAX;
+  if (fmt == ScaleFormat::Float32) {
+    *scale_word = __float_as_uint(scale);
+    return scale;
+  }
+  uint32_t bits = __float_as_uint(scale);  // a positive normal float
+  if (bits & 0x7FFFFFu) bits = (bits & 0x7F800000u) + 0x800000u;  // 2^ceil(log2 scale)
+  *scale_word = fmt == ScaleFormat::MXFP8 ? (bits >> 23) * 0x01010101u : bits;  // UE8M0 byte, four times
+  return __uint_as_float(bits);
+}
+
+template <bool kVector, typename T>
+__global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
+    const T* __restrict__ k, int64_t k_row_stride, uint8_t* __restrict__ kv_cache, int64_t block_stride,
+    int64_t num_blocks, const int64_t* __restrict__ slot_mapping, int64_t num_tokens, IndexerCacheLayout layout,
+    ScaleFormat fmt) {
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int chunk = threadIdx.x;  // elements [chunk * 8, chunk * 8 + 8) of the token
+  const int64_t slot = token < num_tokens ? slot_mapping[token] : -1;
+  const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
+  // Every lane joins the shuffles below; only tokens with a slot in the cache load and store.
+  const bool active = slot >= 0 && block < num_blocks;
+  float v[ELEMS] = {};
+  if (active) load_floats<ELEMS, kVector>(k + token * k_row_stride + chunk * ELEMS, v);
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < ELEMS; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  const int lanes = static_cast<int>(layout.quant_block_size / ELEMS);  // a power of two <= 32
+  // A block of chunks x rows threads may end in a partial warp; a quant block's lanes never straddle warps.
+  const unsigned warp_lanes = __activemask();
+  for (int mask = lanes / 2; mask > 0; mask /= 2) amax = fmaxf(amax, __shfl_xor_sync(warp_lanes, amax, mask));
+  if (!active) return;
+
+  uint32_t scale_word;
+  const float scale = quant_scale(amax, fmt, &scale_word);
+  // A power-of-two scale divides exactly as a multiply by its inverse; the float32 format needs the division.
+  const bool power_of_two = fmt != ScaleFormat::Float32;
+  const float inv_scale = 1.0f / scale;
+  float q[ELEMS];
+#pragma unroll
+  for (int i = 0; i < ELEMS; ++i) q[i] = power_of_two ? v[i] * inv_scale : v[i] / scale;
+  const uint32_t lo = e4m3_pair(q[0], q[1]) | (e4m3_pair(q[2], q[3]) << 16);
+  const uint32_t hi = e4m3_pair(q[4], q[5]) | (e4m3_pair(q[6], q[7]) << 16);
+  uint8_t* base = kv_cache + block * block_stride;
+  uint8_t* values = base + layout.value_offset(offset) + chunk * ELEMS;
+  const int64_t j = chunk * ELEMS / layout.quant_block_size;
+  uint8_t* scale_out = chunk * ELEMS % layout.quant_block_size == 0 ? base + layout.scale_offset(offset, j) : nullptr;
+  if constexpr (kVector) {
+    *reinterpret_cast<uint2*>(values) = make_uint2(lo, hi);
+    if (scale_out) *reinterpret_cast<uint32_t*>(scale_out) = scale_word;
+  } else {
+    for (int i = 0; i < ELEMS; ++i) values[i] = static_cast<uint8_t>((i < 4 ? lo : hi) >> (8 * (i % 4)));
+    if (scale_out)
+      for (int i = 0; i < 4; ++i) scale_out[i] = static_cast<uint8_t>(scale_word >> (8 * i));
+  }
+}
+
+template <bool kVector>
+__global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kernel(
+    const uint8_t* __restrict__ kv_cache, int64_t block_stride, int64_t num_blocks, uint8_t* __restrict__ dst_k,
+    int64_t k_row_stride, uint8_t* __restrict__ dst_scale, int64_t scale_row_stride,
+    const int32_t* __restrict__ block_table, int64_t table_stride, const int32_t* __restrict__ cu_seq_lens,
+    int batch, IndexerCacheLayout layout, int64_t num_rows) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  // Rows past cu_seq_lens[batch] stay untouched, and their (garbage) block-table entries unread.
+  if (row >= num_rows || row >= __ldg(cu_seq_lens + batch)) return;
+  const int b = sequence_of(cu_seq_lens, batch, row);
+  const int64_t pos = row - __ldg(cu_seq_lens + b);
+  const int64_t block = __ldg(block_table + b * table_stride + pos / layout.block_size);
+  const int64_t offset = pos % layout.block_size;
+  if (block < 0 || block >= num_blocks) return;  // not a block of the cache (the CPU op raises)
+  const uint8_t* base = kv_cache + block * block_stride;
+  const int64_t first = threadIdx.x * CHUNK;
+  const uint8_t* values = base + layout.value_offset(offset);
+  uint8_t* out = dst_k + row * k_row_stride;
+  const uint8_t* scales = base + layout.scale_offset(offset);
+  uint8_t* scale_out = dst_scale + row * scale_row_stride;
+  if constexpr (kVector) {
+    for (int64_t c = first; c < layout.head_dim; c += blockDim.x * CHUNK)
+      *reinterpret_cast<uint4*>(out + c) = __ldg(reinterpret_cast<const uint4*>(values + c));
+    for (int64_t s = threadIdx.x * 4; s < layout.scale_bytes(); s += blockDim.x * 4)
+      *reinterpret_cast<uint32_t*>(scale_out + s) = __ldg(reinterpret_cast<const uint32_t*>(scales + s));
+  } else {
+    for (int64_t c = threadIdx.x; c < layout.head_dim; c += blockDim.x) out[c] = values[c];
+    for (int64_t s = threadIdx.x; s < layout.scale_bytes(); s += blockDim.x) scale_out[s] = scales[s];
+  }
+}
+
+void indexer_k_quant_and_cache_cuda(const Tensor& k, Tensor& kv_cache, const Tensor& slot_mapping,
+                                    int64_t quant_block_size, std::string scale_fmt) {
+  const char* op = "indexer_k_quant_and_cache";
+  const ScaleFormat fmt = parse_scale_fmt(scale_fmt);
+  const IndexerCacheLayout layout = check_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size);
+  STD_TORCH_CHECK(quant_block_size >= ELEMS && quant_block_size <= WARP * ELEMS &&
+                      (quant_block_size & (quant_block_size - 1)) == 0,
+                  op, ": quant_block_size: the CUDA kernel needs a power of two from 8 to 256, got ",
+                  quant_block_size);
+  const int64_t num_tokens = slot_mapping.size(0);
+  if (num_tokens == 0) return;
+  const torch::stable::accelerator::DeviceGuard guard(kv_cache.get_device_index());
+  const int chunks = static_cast<int>(layout.head_dim / ELEMS);
+  STD_TORCH_CHECK(chunks <= THREADS, op, ": k: head_dim ", layout.head_dim, " is above the CUDA kernel's ",
+                  THREADS * ELEMS);
+  const dim3 block(chunks, THREADS / chunks);
+  const dim3 grid(static_cast<unsigned>((num_tokens + block.y - 1) / block.y));
+  const cudaStream_t stream = current_stream(kv_cache);
+  const bool cache_aligned = aligned(kv_cache.const_data_ptr(), 8) && kv_cache.stride(0) % 8 == 0;
+  dispatch_float_types(op, k.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    auto launch = [&](auto kernel) {
+      kernel<<<grid, block, 0, stream>>>(static_cast<const T*>(k.const_data_ptr()), k.stride(0),
+                                         static_cast<uint8_t*>(kv_cache.mutable_data_ptr()), kv_cache.stride(0),
+                                         kv_cache.size(0), slot_mapping.const_data_ptr<int64_t>(), num_tokens,
+                                         layout, fmt);
+    };
+    const bool k_aligned = aligned(k.const_data_ptr(), 16) && (k.stride(0) * sizeof(T)) % 16 == 0;
+    if (cache_aligned && k_aligned)
+      launch(indexer_k_quant_and_cache_kernel<true, T>);
+    else
+      launch(indexer_k_quant_and_cache_kernel<false, T>);
+  });
+  check_launch(op);
+}
+
+void cp_gather_indexer_k_quant_cache_cuda(const Tensor& kv_cache, Tensor& dst_k, Tensor& dst_scale,
+                                          const Tensor& block_table, const Tensor& cu_seq_lens) {
+  const char* op = "cp_gather_indexer_k_quant_cache";
+  const IndexerCacheLayout layout =
+      check_cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens);
+  const int64_t num_rows = dst_k.size(0), batch = block_table.size(0);
+  if (num_rows == 0 || batch == 0) return;
+  const torch::stable::accelerator::DeviceGuard guard(kv_cache.get_device_index());
+  const int64_t k_row_stride = dst_k.stride(0) * dst_k.element_size();
+  const int64_t scale_row_stride = dst_scale.stride(0) * dst_scale.element_size();
+  // 16-byte value chunks and 4-byte scales: aligned for vLLM's blocks of 64 x 132 bytes; a padded block
+  // stride or an odd row stride takes the byte path.
+  const bool vector = layout.head_dim % CHUNK == 0 && aligned(kv_cache.const_data_ptr(), 16) &&
+                      kv_cache.stride(0) % 16 == 0 && aligned(dst_k.const_data_ptr(), 16) &&
+                      k_row_stride % 16 == 0 && aligned(dst_scale.const_data_ptr(), 4) && scale_row_stride % 4 == 0;
+  const int chunks = static_cast<int>(std::min<int64_t>(WARP, (layout.head_dim + CHUNK - 1) / CHUNK));
+  const dim3 block(chunks, THREADS / chunks);
+  const dim3 grid(static_cast<unsigned>((num_rows + block.y - 1) / block.y));
+  const cudaStream_t stream = current_stream(kv_cache);
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, block, 0, stream>>>(
+        static_cast<const uint8_t*>(kv_cache.const_data_ptr()), kv_cache.stride(0), kv_cache.size(0),
+        static_cast<uint8_t*>(dst_k.mutable_data_ptr()), k_row_stride,
+        static_cast<uint8_t*>(dst_scale.mutable_data_ptr()), scale_row_stride, block_table.const_data_ptr<int32_t>(),
+        block_table.stride(0), cu_seq_lens.const_data_ptr<int32_t>(), static_cast<int>(batch), layout, num_rows);
+  };
+  if (vector)
+    launch(cp_gather_indexer_k_quant_cache_kernel<true>);
+  else
+    launch(cp_gather_indexer_k_quant_cache_kernel<false>);
+  check_launch(op);
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(vllm_nvfp4, CUDA, m) {
+  m.impl("indexer_k_quant_and_cache", TORCH_BOX(&indexer_k_quant_and_cache_cuda));
+  m.impl("cp_gather_indexer_k_quant_cache", TORCH_BOX(&cp_gather_indexer_k_quant_cache_cuda));
+}
+
+}  // namespace vllm_nvfp4::cuda
