@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# On the lent H200 (repo root; the run tool sets $OUT): build the extension for SM90a and SM100a, run the op
+# tests on CUDA, time the ops beside a copy and FlashInfer's writer, run the doctor, then the op tests under
+# compute-sanitizer (memcheck; racecheck for the gather that uses shared memory). Logs go to $OUT.
+# FlashInfer 0.7.0.post1 + apache-tvm-ffi come from the git-ignored .whl/ (carried).
+# SKIP_BUILD=1 reuses an extension already built there; STEPS picks steps (default: all); every step ends
+# before DEADLINE seconds (the run tool's limit is 600).
+set -uo pipefail
+OUT=${OUT:-out}
+STEPS=${STEPS:-"build tests bench doctor memcheck racecheck"}
+DEADLINE=${DEADLINE:-580}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+status=0
+step() {  # step NAME SECONDS COMMAND...: runs with a time limit, logs to $OUT/NAME.log, records failures
+  local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE - SECONDS))
+  [ $left -lt $limit ] && limit=$left
+  if [ $limit -lt 20 ]; then echo "== $name: skipped, no time left" | tee -a "$OUT/summary.txt"; status=1; return; fi
+  local start=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+  tail -15 "$OUT/$name.log"
+  [ $rc -eq 0 ] || status=1
+}
+
+# FlashInfer JIT-compiles its page writer and NVFP4 decode on first use (~30 s each): warm them during the build.
+python3 - > "$OUT/flashinfer_warmup.log" 2>&1 <<'PY' &
+import torch, flashinfer
+k = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device="cuda")
+data = torch.zeros(1, 16, 2, 64, dtype=torch.uint8, device="cuda")
+sf = torch.zeros(1, 16, 2, 8, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+one = torch.ones(1, device="cuda")
+flashinfer.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(
+    k, k, torch.arange(4, device="cuda"), (data, data.clone()), (sf, sf.clone()), one, one, "NHD")
+for layout in ("NHD", "HND"):
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, layout, use_tensor_cores=True)
+    w.plan(torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device="cuda"),
+           torch.tensor([1], dtype=torch.int32), 8, 2, 128, 16, q_data_type=torch.bfloat16, kv_data_type=torch.uint8)
+    w.run(torch.zeros(1, 8, 128, dtype=torch.bfloat16, device="cuda"), (data, data), kv_cache_sf=(sf, sf))
+print("flashinfer warm")
+PY
+warmup=$!
+if has build && [ -z "${SKIP_BUILD:-}" ]; then
+  TORCH_CUDA_ARCH_LIST="9.0a;10.0a" MAX_JOBS=16 step build 300 \
+    python3 -m pip install -v --no-build-isolation --no-deps -e .
+  grep -o "sm_100a" "$OUT/build.log" | head -1
+fi
+wait $warmup || tail -20 "$OUT/flashinfer_warmup.log"
+
+OP_TESTS="tests/test_ops_cpu.py tests/test_bad_inputs.py $(ls tests/test_fuzz.py 2>/dev/null)"
+has tests && step tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider $OP_TESTS
+has bench && step bench 200 python3 benchmarks/bench_ops_cuda.py --flashinfer --reference --out "$OUT/bench.md"
+has doctor && step doctor 90 python3 -m vllm_nvfp4_plugin.doctor
+# One cudaMalloc per tensor, so memcheck sees the end of every tensor rather than of a cached pool.
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+has memcheck && step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 1 \
+  python3 -m pytest -q -m gpu -p no:cacheprovider -k "not opcheck" tests/test_ops_cpu.py
+has racecheck && step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 \
+  python3 -m pytest -q -m gpu -p no:cacheprovider -k "gather and not indexer and not opcheck" tests/test_ops_cpu.py
+cat "$OUT/summary.txt"
+exit $status
