@@ -52,8 +52,11 @@ __global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
 #pragma unroll
   for (int i = 0; i < ELEMS; ++i) amax = fmaxf(amax, fabsf(v[i]));
   const int lanes = static_cast<int>(layout.quant_block_size / ELEMS);  // a power of two <= 32
-  // A block of chunks x rows threads may end in a partial warp; a quant block's lanes never straddle warps.
-  const unsigned warp_lanes = __activemask();
+  // The block (chunks x rows threads) may end in a partial warp: shuffle among the lanes that exist. A quant
+  // block's lanes are adjacent and never straddle warps.
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, warp_start = tid & ~(WARP - 1);
+  const int lanes_here = min(WARP, static_cast<int>(blockDim.x * blockDim.y) - warp_start);
+  const unsigned warp_lanes = lanes_here == WARP ? 0xFFFFFFFFu : (1u << lanes_here) - 1;
   for (int mask = lanes / 2; mask > 0; mask /= 2) amax = fmaxf(amax, __shfl_xor_sync(warp_lanes, amax, mask));
   if (!active) return;
 
