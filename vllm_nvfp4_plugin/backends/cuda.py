@@ -100,8 +100,10 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch]):
         reason = flashinfer_decode_unavailable_reason(kv_cache_spec.head_size, device)
         if reason is None:
             self._decode_params = self._layers_decode_params(layer_names)
-        logger.info_once("vllm_nvfp4_plugin: NVFP4 decode through %s",
-                         "FlashInfer fa2" if self._decode_params else f"the attention core ({reason})")
+        if self._decode_params is not None:
+            logger.info_once("vllm_nvfp4_plugin: NVFP4 decode through FlashInfer fa2, prefill through the core")
+        elif reason is not None:
+            logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the core only (%s)", reason)
 
     def _layers_decode_params(self, layer_names: list[str]) -> tuple[int, torch.dtype, float] | None:
         """(query heads, query dtype, softmax scale) shared by the group's layers: FlashInfer plans once
