@@ -1,9 +1,12 @@
 """The CUSTOM (CUDA) backend's vLLM-facing parts, on CPU tensors: registration, configuration checks, spec,
 and builder + impl end to end over a vLLM-shaped cache (on CPU the core path serves every request)."""
 
+import itertools
+
 import pytest
 import torch
-from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config import CacheConfig, VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.attention import Attention
 from vllm.platforms.interface import DeviceCapability
 from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
@@ -11,7 +14,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
 from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.backends import register_attention_backends
-from vllm_nvfp4_plugin.backends.cuda import NVFP4CudaBackend, NVFP4CudaImpl, NVFP4CudaMetadataBuilder
+from vllm_nvfp4_plugin.backends.cuda import NVFP4CudaBackend, NVFP4CudaMetadataBuilder, shared_decode_params
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 
 HOPPER = DeviceCapability(9, 0)
@@ -58,24 +61,43 @@ def test_customize_spec_packs_the_nvfp4_page():
 
 @pytest.fixture(scope="module")
 def vllm_config():
-    config = VllmConfig()
+    config = VllmConfig(cache_config=CacheConfig(cache_dtype="nvfp4"))
     with set_current_vllm_config(config):
         yield config
 
 
+_layer_ids = itertools.count()
+
+
+def attention_layer(vllm_config, num_heads=8, head_size=128, scale=0.1, num_kv_heads=2, cache_dtype="nvfp4",
+                    **kwargs):
+    """A real vLLM `Attention` layer on the CUSTOM backend, as a model builds it at engine start."""
+    cache_config = CacheConfig(cache_dtype=cache_dtype)
+    return Attention(num_heads, head_size, scale, num_kv_heads, cache_config=cache_config,
+                     prefix=f"model.layers.{next(_layer_ids)}.self_attn.attn", attn_backend=NVFP4CudaBackend,
+                     **kwargs)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"kv_cache_dtype": "auto"}, ValueError, "kv_cache_dtype='nvfp4' only"),
-    ({"logits_soft_cap": 30.0}, NotImplementedError, "soft-cap"),
-    ({"sliding_window": 4096}, NotImplementedError, "sliding window"),
-    ({"sinks": torch.zeros(8)}, NotImplementedError, "sinks"),
-    ({"alibi_slopes": [0.5] * 8}, NotImplementedError, "ALiBi"),
+    ({"cache_dtype": "auto"}, ValueError, "kv_cache_dtype='nvfp4' only"),
+    ({"logits_soft_cap": 30.0}, NotImplementedError, "does not support logits soft-cap"),
+    ({"per_layer_sliding_window": 4096}, NotImplementedError, "does not support sliding window"),
+    ({"sinks": torch.zeros(8)}, NotImplementedError, "does not support attention sinks"),
+    ({"alibi_slopes": [0.5] * 8}, NotImplementedError, "does not support ALiBi"),
     ({"attn_type": "encoder_only"}, NotImplementedError, "decoder attention only"),
-    ({"head_size": 96}, ValueError, "head_size"),
+    ({"head_size": 96}, ValueError, "supports head_size in"),
 ])
-def test_impl_rejects_unsupported_layers(vllm_config, kwargs, error, match):
-    args = {"num_heads": 8, "head_size": 128, "scale": 0.1, "num_kv_heads": 2, "kv_cache_dtype": "nvfp4", **kwargs}
+def test_layer_construction_rejects_unsupported_features(vllm_config, kwargs, error, match):
     with pytest.raises(error, match=match):
-        NVFP4CudaImpl(**args)
+        attention_layer(vllm_config, **kwargs)
+
+
+def test_decode_params_shared_by_the_group(vllm_config):
+    """FlashInfer plans once per batch: the group's layers must agree on heads, dtype and scale."""
+    same = [attention_layer(vllm_config).layer_name for _ in range(2)]
+    assert shared_decode_params(vllm_config, same) == (8, torch.get_default_dtype(), 0.1)
+    other = attention_layer(vllm_config, scale=0.2).layer_name
+    assert shared_decode_params(vllm_config, same + [other]) is None
 
 
 K_SCALE, V_SCALE = 0.75, 1.25
@@ -104,11 +126,13 @@ def test_builder_and_impl_match_fp32_attention(vllm_config, hnd):
     num_padding = 3
     spec = NVFP4CudaBackend.customize_spec(FullAttentionSpec(
         block_size=block, num_kv_heads=kv_heads, head_size=d, dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4))
-    builder = NVFP4CudaMetadataBuilder(spec, ["layer"], vllm_config, torch.device("cpu"))
-    impl = NVFP4CudaImpl(heads, d, d ** -0.5, kv_heads, None, None, "nvfp4")
-    layer = torch.nn.Module()  # the attributes vLLM's Attention layer carries for the global scales
-    layer._k_scale, layer._v_scale = torch.tensor(K_SCALE), torch.tensor(V_SCALE)
+    layer = attention_layer(vllm_config, heads, d, d ** -0.5, kv_heads)
+    impl = layer.impl
+    # Global scales as a checkpoint's would be loaded (vLLM keeps a tensor and a float copy).
+    layer._k_scale.fill_(K_SCALE)
+    layer._v_scale.fill_(V_SCALE)
     layer._k_scale_float, layer._v_scale_float = K_SCALE, V_SCALE
+    builder = NVFP4CudaMetadataBuilder(spec, [layer.layer_name], vllm_config, torch.device("cpu"))
 
     blocks_per_req = [-(-c // block) for _, c in requests]
     num_blocks = sum(blocks_per_req) + 2

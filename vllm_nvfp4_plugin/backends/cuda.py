@@ -82,6 +82,18 @@ class NVFP4CudaBackend(AttentionBackend):
         return customize_nvfp4_spec(spec)
 
 
+def shared_decode_params(vllm_config: VllmConfig, layer_names: list[str]) -> tuple[int, torch.dtype, float] | None:
+    """(query heads, query dtype, softmax scale) shared by a KV-cache group's layers: FlashInfer plans once per
+    batch for all of them. None (decode through the core) if the layers disagree."""
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    params = {(layer.impl.num_heads, layer.dtype, layer.impl.scale) for layer in layers.values()}
+    if len(params) != 1:
+        logger.warning("vllm_nvfp4_plugin: layers %s differ in query heads, dtype or softmax scale (%s); "
+                       "decoding through the attention core instead of FlashInfer", layer_names, params)
+        return None
+    return params.pop()
+
+
 class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch]):
     """Core metadata for every batch; plans FlashInfer's decode for the batch's leading decode requests
     when fa2 can read this head size on this device."""
@@ -99,23 +111,11 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch]):
         self._decode_params: tuple[int, torch.dtype, float] | None = None
         reason = flashinfer_decode_unavailable_reason(kv_cache_spec.head_size, device)
         if reason is None:
-            self._decode_params = self._layers_decode_params(layer_names)
+            self._decode_params = shared_decode_params(vllm_config, layer_names)
         if self._decode_params is not None:
             logger.info_once("vllm_nvfp4_plugin: NVFP4 decode through FlashInfer fa2, prefill through the core")
         elif reason is not None:
             logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the core only (%s)", reason)
-
-    def _layers_decode_params(self, layer_names: list[str]) -> tuple[int, torch.dtype, float] | None:
-        """(query heads, query dtype, softmax scale) shared by the group's layers: FlashInfer plans once
-        per batch for all of them. None (core path) if the layers disagree."""
-        layers = get_layers_from_vllm_config(self.vllm_config, Attention, layer_names)
-        params = {(layer.impl.num_heads, self.vllm_config.model_config.dtype, layer.impl.scale)
-                  for layer in layers.values()}
-        if len(params) != 1:
-            logger.warning("vllm_nvfp4_plugin: layers %s differ in query heads or softmax scale (%s); "
-                           "decoding through the attention core instead of FlashInfer", layer_names, params)
-            return None
-        return params.pop()
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CudaBatch:
