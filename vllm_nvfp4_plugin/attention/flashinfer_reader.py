@@ -3,8 +3,7 @@
 FlashInfer (0.7) treats a uint8 paged cache plus `kv_cache_sf` e4m3 block scales as NVFP4, on SM80, SM90
 and SM120 through its fa2 tensor-core decode. It takes any page/token/head strides, so the data and scale
 regions of our `[DATA | SCALES]` sides are handed to it as strided views of the same bytes: nothing is
-copied. It needs linear V scales (a cache stored with `swizzle_v_scales=False`) and misreads head size 64,
-so head 64 (and machines without FlashInfer) go to the attention core's gather path. Prefill and
+copied. It misreads head size 64, so head 64 (and machines without FlashInfer) go to the attention core's gather path. Prefill and
 chunked prefill always go to the core: on Hopper, fa2's NVFP4 prefill runs at about half its bf16 speed,
 while dequantizing the pages into a workspace first costs little (GPU.md).
 
