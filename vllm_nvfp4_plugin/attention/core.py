@@ -124,11 +124,13 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale:
     """One request: `query` `[n, heads, head]` are the last n of the `[c, kv_heads, head]` context."""
     n, c = query.size(0), key.size(0)
     mask = None
-    if causal:  # query i sits at context position c - n + i and sees keys up to it
+    if causal and n < c:  # query i sits at context position c - n + i and sees keys up to it
         mask = torch.arange(c, device=query.device) <= torch.arange(n, device=query.device)[:, None] + (c - n)
-    o = F.scaled_dot_product_attention(query.transpose(0, 1).to(COMPUTE_DTYPE), key.transpose(0, 1),
-                                       value.transpose(0, 1), attn_mask=mask, scale=scale, enable_gqa=True)
-    return o.transpose(0, 1)
+    # 4-D inputs take torch's fused CPU kernel (3-D ones fall back to the unfused math path).
+    o = F.scaled_dot_product_attention(query.transpose(0, 1).to(COMPUTE_DTYPE)[None], key.transpose(0, 1)[None],
+                                       value.transpose(0, 1)[None], attn_mask=mask, is_causal=causal and n == c,
+                                       scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
 
 
 def _decode(query, key, value, out, scale: float, query_rows: list[int], context_starts: list[int],
