@@ -87,7 +87,7 @@ def serve_and_chat(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vllm_nvfp4_plugin.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-tokens", type=int, default=48)
