@@ -92,7 +92,8 @@ def main() -> None:
     g = torch.Generator(DEVICE).manual_seed(0)
     cache, table = filled_cache(g)
     lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", "",
-             "| step | median ms | bandwidth floor ms | FLOP floor ms | floor / time | effective TB/s | effective TFLOP/s |",
+             "| step | median ms | bandwidth floor ms | FLOP floor ms | floor / time | effective TB/s "
+             "| effective TFLOP/s |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
 
     # Decode: B × 1 token, each over its whole context.
@@ -136,8 +137,9 @@ def main() -> None:
                      eager_ms(prefill), logits_bytes, visible_flops))
     lines.append(row("  same, 1 GiB score tiles (eager)", eager_ms(lambda: prefill(1 << 30)), logits_bytes,
                      visible_flops))
-    lines.append(row("  gather op alone (graph)", graph_ms(lambda: torch.ops.vllm_nvfp4.cp_gather_indexer_k_quant_cache(
-        cache, dst_k, dst_scale, table[:1], cu)), 2 * CONTEXT * LAYOUT.row_bytes, 0))
+    gather = torch.ops.vllm_nvfp4.cp_gather_indexer_k_quant_cache
+    lines.append(row("  gather op alone (graph)", graph_ms(lambda: gather(cache, dst_k, dst_scale, table[:1], cu)),
+                     2 * CONTEXT * LAYOUT.row_bytes, 0))
     text = "\n".join(lines)
     print(text)
     if args.out:

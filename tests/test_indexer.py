@@ -16,7 +16,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from test_indexer_core import GARBAGE, assert_same_selection, fp8_round_trip, random_queries, reference_logits  # noqa: E402
+from test_indexer_core import (GARBAGE, assert_same_selection, fp8_round_trip, random_queries,  # noqa: E402
+                               reference_logits)
 from vllm.config import CacheConfig, SpeculativeConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.custom_op import op_registry_oot  # noqa: E402
@@ -25,7 +26,8 @@ from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache  # no
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
 from vllm_nvfp4_plugin.indexer import core, register_indexer  # noqa: E402
-from vllm_nvfp4_plugin.indexer.metadata import IndexerBackend, IndexerMetadataBuilder  # noqa: E402
+from vllm_nvfp4_plugin.indexer.metadata import (ChunkPlan, IndexerBackend, IndexerMetadataBuilder,  # noqa: E402
+                                                plan_prefill_chunks)
 from vllm_nvfp4_plugin.indexer.op import NVFP4SparseAttnIndexer  # noqa: E402
 from vllm_nvfp4_plugin.layout import IndexerCacheLayout  # noqa: E402
 
@@ -210,3 +212,12 @@ def test_bad_input(vllm_config):
     cache.bind_kv_cache(small_blocks.unsqueeze(1))
     with pytest.raises(ValueError, match="kv_cache block size 32 does not match the block size 64"):
         run_step(op, cache, builder, vllm_config, reqs, [("r0", 40, 40)], seed=0)
+
+
+def test_prefill_chunk_plan():
+    # Whole requests while both budgets hold; a request too big for the logits budget split by rows.
+    assert plan_prefill_chunks([10, 10, 100], [10, 30, 100], max_k_rows=200, max_logits_elems=2000) == [
+        ChunkPlan(0, 2, 0, 20), ChunkPlan(2, 3, 0, 20), ChunkPlan(2, 3, 20, 40), ChunkPlan(2, 3, 40, 60),
+        ChunkPlan(2, 3, 60, 80), ChunkPlan(2, 3, 80, 100)]
+    with pytest.raises(ValueError, match="prefill over 300 keys does not fit the indexer workspace of max_k_rows=200"):
+        plan_prefill_chunks([50], [300], max_k_rows=200, max_logits_elems=10**9)

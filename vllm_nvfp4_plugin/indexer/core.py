@@ -27,7 +27,8 @@ def _check_qkw(q: torch.Tensor, weights: torch.Tensor, head_dim: int) -> None:
     if q.size(-1) != head_dim:
         raise ValueError(f"q head dim {q.size(-1)} does not match the keys' head_dim {head_dim}")
     if weights.shape != q.shape[:-1]:
-        raise ValueError(f"weights must have shape {tuple(q.shape[:-1])} (q without head_dim), got {tuple(weights.shape)}")
+        raise ValueError(f"weights must have shape {tuple(q.shape[:-1])} (q without head_dim), "
+                         f"got {tuple(weights.shape)}")
 
 
 def _keys(values: torch.Tensor, scale_bytes: torch.Tensor, quant_block_size: int):
