@@ -53,8 +53,12 @@ if has build && [ -z "${SKIP_BUILD:-}" ]; then
 fi
 wait $warmup || tail -20 "$OUT/flashinfer_warmup.log"
 
-OP_TESTS="tests/test_ops_cpu.py tests/test_bad_inputs.py $(ls tests/test_fuzz.py 2>/dev/null)"
-has tests && step tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider $OP_TESTS
+# One pytest per file, so a crash names its file; -v logs each case as it starts.
+for f in tests/test_ops_cpu.py tests/test_bad_inputs.py tests/test_fuzz.py; do
+  [ -f "$f" ] || continue
+  name=$(basename "$f" .py)
+  has tests && step "$name" 150 python3 -X faulthandler -m pytest -v -m gpu -p no:cacheprovider "$f"
+done
 has bench && step bench 200 python3 benchmarks/bench_ops_cuda.py --flashinfer --reference --out "$OUT/bench.md"
 has doctor && step doctor 90 python3 -m vllm_nvfp4_plugin.doctor
 # One cudaMalloc per tensor, so memcheck sees the end of every tensor rather than of a cached pool.
@@ -63,5 +67,7 @@ has memcheck && step memcheck 200 compute-sanitizer --tool memcheck --error-exit
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "not opcheck" tests/test_ops_cpu.py
 has racecheck && step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "gather and not indexer and not opcheck" tests/test_ops_cpu.py
+# The run tool brings back at most 8 files: the logs travel as one archive.
+mkdir -p "$OUT/logs" && mv "$OUT"/*.log "$OUT/logs/" && tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -r "$OUT/logs"
 cat "$OUT/summary.txt"
 exit $status

@@ -3,8 +3,9 @@
 //
 // Store: one thread owns 8 elements (one 16-byte bf16 load, one 8-byte FP8 store); the quant block's
 // threads are adjacent lanes of one warp and reduce its amax with shuffles. Gather: one thread copies one
-// 16-byte chunk of a row's values (the first chunk's thread also its scale bytes), so a warp moves whole
-// rows; the row's sequence comes from a binary search over cu_seq_lens.
+// 16-byte chunk of the values of ROWS rows (the first chunk's thread also their scales), so a warp moves
+// whole rows with all its loads in flight at once; a binary search over cu_seq_lens finds the sequence of a
+// thread's first row, and its later rows step forward from there.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
@@ -42,12 +43,15 @@ __global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
     ScaleFormat fmt) {
   const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   const int chunk = threadIdx.x;  // elements [chunk * 8, chunk * 8 + 8) of the token
-  const int64_t slot = token < num_tokens ? slot_mapping[token] : -1;
-  const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
-  // Every lane joins the shuffles below; only tokens with a slot in the cache load and store.
-  const bool active = slot >= 0 && block < num_blocks;
+  // Every lane joins the shuffles below; only tokens with a slot in the cache store. The activations load
+  // while the slot is still in flight.
   float v[ELEMS] = {};
-  if (active) load_floats<ELEMS, kVector>(k + token * k_row_stride + chunk * ELEMS, v);
+  int64_t slot = -1;
+  if (token < num_tokens) {
+    slot = __ldg(slot_mapping + token);
+    load_floats<ELEMS, kVector>(k + token * k_row_stride + chunk * ELEMS, v);
+  }
+  const bool active = slot >= 0 && slot < num_blocks * layout.block_size;
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < ELEMS; ++i) amax = fmaxf(amax, fabsf(v[i]));
@@ -70,6 +74,7 @@ __global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
   for (int i = 0; i < ELEMS; ++i) q[i] = power_of_two ? v[i] * inv_scale : v[i] / scale;
   const uint32_t lo = e4m3_pair(q[0], q[1]) | (e4m3_pair(q[2], q[3]) << 16);
   const uint32_t hi = e4m3_pair(q[4], q[5]) | (e4m3_pair(q[6], q[7]) << 16);
+  const int64_t block = slot / layout.block_size, offset = slot - block * layout.block_size;
   uint8_t* base = kv_cache + block * block_stride;
   uint8_t* values = base + layout.value_offset(offset) + chunk * ELEMS;
   const int64_t j = chunk * ELEMS / layout.quant_block_size;
@@ -84,34 +89,75 @@ __global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
   }
 }
 
+constexpr int ROWS = 4;  // rows per gather thread
+
+// Copies `n` bytes (a multiple of 16 when kVector, with both pointers 16-byte aligned) by this thread's part:
+// 16-byte chunks, or single bytes, strided by the row's `threads`.
+template <bool kVector>
+__device__ __forceinline__ void copy_part(const uint8_t* src, uint8_t* dst, int64_t n, int lane, int threads) {
+  if constexpr (kVector) {
+    for (int64_t c = lane * CHUNK; c < n; c += threads * CHUNK)
+      *reinterpret_cast<uint4*>(dst + c) = __ldg(reinterpret_cast<const uint4*>(src + c));
+  } else {
+    for (int64_t c = lane; c < n; c += threads) dst[c] = src[c];
+  }
+}
+
 template <bool kVector>
 __global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kernel(
     const uint8_t* __restrict__ kv_cache, int64_t block_stride, int64_t num_blocks, uint8_t* __restrict__ dst_k,
     int64_t k_row_stride, uint8_t* __restrict__ dst_scale, int64_t scale_row_stride,
     const int32_t* __restrict__ block_table, int64_t table_stride, const int32_t* __restrict__ cu_seq_lens,
     int batch, IndexerCacheLayout layout, int64_t num_rows) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
   // Rows past cu_seq_lens[batch] stay untouched, and their (garbage) block-table entries unread.
-  if (row >= num_rows || row >= __ldg(cu_seq_lens + batch)) return;
-  const int b = sequence_of(cu_seq_lens, batch, row);
-  const int64_t pos = row - __ldg(cu_seq_lens + b);
-  const int64_t block = __ldg(block_table + b * table_stride + pos / layout.block_size);
-  const int64_t offset = pos % layout.block_size;
-  if (block < 0 || block >= num_blocks) return;  // not a block of the cache (the CPU op raises)
-  const uint8_t* base = kv_cache + block * block_stride;
-  const int64_t first = threadIdx.x * CHUNK;
-  const uint8_t* values = base + layout.value_offset(offset);
-  uint8_t* out = dst_k + row * k_row_stride;
-  const uint8_t* scales = base + layout.scale_offset(offset);
-  uint8_t* scale_out = dst_scale + row * scale_row_stride;
+  const int64_t rows_end = min(num_rows, static_cast<int64_t>(__ldg(cu_seq_lens + batch)));
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y * ROWS + threadIdx.y;
+  if (first >= rows_end) return;
+  // This thread's rows: first + u * blockDim.y (a warp's lanes cover consecutive rows). They only grow, so
+  // one binary search finds the first row's sequence and the others step forward from it.
+  const uint8_t* bases[ROWS];
+  int64_t offsets[ROWS];
+  int b = sequence_of(cu_seq_lens, batch, first);
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int64_t row = first + u * blockDim.y;
+    bases[u] = nullptr;
+    if (row >= rows_end) continue;
+    while (__ldg(cu_seq_lens + b + 1) <= row) ++b;
+    const int64_t pos = row - __ldg(cu_seq_lens + b);
+    const int64_t block = __ldg(block_table + b * table_stride + pos / layout.block_size);
+    offsets[u] = pos % layout.block_size;
+    if (block >= 0 && block < num_blocks) bases[u] = kv_cache + block * block_stride;  // else: the CPU op raises
+  }
   if constexpr (kVector) {
-    for (int64_t c = first; c < layout.head_dim; c += blockDim.x * CHUNK)
-      *reinterpret_cast<uint4*>(out + c) = __ldg(reinterpret_cast<const uint4*>(values + c));
-    for (int64_t s = threadIdx.x * 4; s < layout.scale_bytes(); s += blockDim.x * 4)
-      *reinterpret_cast<uint32_t*>(scale_out + s) = __ldg(reinterpret_cast<const uint32_t*>(scales + s));
-  } else {
-    for (int64_t c = threadIdx.x; c < layout.head_dim; c += blockDim.x) out[c] = values[c];
-    for (int64_t s = threadIdx.x; s < layout.scale_bytes(); s += blockDim.x) scale_out[s] = scales[s];
+    if (layout.head_dim == blockDim.x * CHUNK && layout.scale_bytes() == 4) {
+      // vLLM's 128 values + one float32 scale: every 16-byte load of the rows issued before any store.
+      uint4 chunk[ROWS];
+      uint32_t scale[ROWS];
+#pragma unroll
+      for (int u = 0; u < ROWS; ++u) {
+        if (bases[u] == nullptr) continue;
+        chunk[u] = __ldg(reinterpret_cast<const uint4*>(bases[u] + layout.value_offset(offsets[u])) + threadIdx.x);
+        if (threadIdx.x == 0) scale[u] = __ldg(reinterpret_cast<const uint32_t*>(bases[u] + layout.scale_offset(offsets[u])));
+      }
+#pragma unroll
+      for (int u = 0; u < ROWS; ++u) {
+        if (bases[u] == nullptr) continue;
+        const int64_t row = first + u * blockDim.y;
+        reinterpret_cast<uint4*>(dst_k + row * k_row_stride)[threadIdx.x] = chunk[u];
+        if (threadIdx.x == 0) *reinterpret_cast<uint32_t*>(dst_scale + row * scale_row_stride) = scale[u];
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    if (bases[u] == nullptr) continue;
+    const int64_t row = first + u * blockDim.y;
+    copy_part<kVector>(bases[u] + layout.value_offset(offsets[u]), dst_k + row * k_row_stride, layout.head_dim,
+                       threadIdx.x, blockDim.x);
+    copy_part<false>(bases[u] + layout.scale_offset(offsets[u]), dst_scale + row * scale_row_stride,
+                     layout.scale_bytes(), threadIdx.x, blockDim.x);
   }
 }
 
@@ -168,7 +214,8 @@ void cp_gather_indexer_k_quant_cache_cuda(const Tensor& kv_cache, Tensor& dst_k,
                       k_row_stride % 16 == 0 && aligned(dst_scale.const_data_ptr(), 4) && scale_row_stride % 4 == 0;
   const int chunks = static_cast<int>(std::min<int64_t>(WARP, (layout.head_dim + CHUNK - 1) / CHUNK));
   const dim3 block(chunks, THREADS / chunks);
-  const dim3 grid(static_cast<unsigned>((num_rows + block.y - 1) / block.y));
+  const int64_t rows_per_block = static_cast<int64_t>(block.y) * ROWS;
+  const dim3 grid(static_cast<unsigned>((num_rows + rows_per_block - 1) / rows_per_block));
   const cudaStream_t stream = current_stream(kv_cache);
   auto launch = [&](auto kernel) {
     kernel<<<grid, block, 0, stream>>>(

@@ -1,9 +1,11 @@
 // CUDA kernels of the NVFP4 KV-cache ops (FORMATS.md §1): the store (quantize into slots) and the
 // gather (dequantize each sequence's cached tokens into contiguous rows).
 //
-// One thread owns one 16-element group of one (token, head) for both K and V: it moves 2 x 32 bytes of
-// bf16 and 2 x 9 bytes of cache, so a warp reads or writes contiguous runs and every thread has two
-// independent memory streams in flight. The block is (groups, heads, tokens).
+// Store: one thread owns one 16-element group of one (token, head) for both K and V; it issues its four
+// 16-byte activation loads before it waits for the token's slot, so the two latencies overlap. Gather: one
+// thread owns half a group (8 outputs, one 16-byte store, so a warp's stores are contiguous) of ROWS rows
+// of one head, K and V; it finds the rows' sequences once, then loads all their codes before decoding.
+// Blocks are (groups, heads, tokens) for the store and (2 x groups, heads, row sets) for the gather.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
@@ -20,25 +22,22 @@ constexpr int GROUP = NVFP4_GROUP;
 constexpr float ONE_SIXTH = 1.0f / 6.0f;  // float32, as the reference's f32(1) / f32(6)
 constexpr int THREADS = 128;
 
-// Block shape (groups, heads, tokens) for a layout: about THREADS threads, heads looped when there are more.
-dim3 block_shape(const NVFP4PageLayout& layout) {
-  const int groups = static_cast<int>(layout.scale_dim());
-  const int heads = static_cast<int>(std::min<int64_t>(layout.num_heads, std::max(1, THREADS / groups)));
-  return dim3(groups, heads, std::max(1, THREADS / (groups * heads)));
+// Blocks of about THREADS threads: (threads_per_group x groups, heads, rows), heads looped when there are more.
+dim3 block_shape(const NVFP4PageLayout& layout, int threads_per_group) {
+  const int x = static_cast<int>(layout.scale_dim()) * threads_per_group;
+  const int heads = static_cast<int>(std::min<int64_t>(layout.num_heads, std::max(1, THREADS / x)));
+  return dim3(x, heads, std::max(1, THREADS / (x * heads)));
 }
 
-// The cache side's bytes of `block`, or null for a slot/block id outside the cache (skipped: checking it on
-// the host would need a sync; the CPU op raises instead).
-__device__ __forceinline__ uint8_t* block_bytes(uint8_t* base, int64_t block, int64_t num_blocks, int64_t stride) {
-  return block >= 0 && block < num_blocks ? base + block * stride : nullptr;
+void check_head_size(const char* op, const NVFP4PageLayout& layout) {
+  STD_TORCH_CHECK(layout.scale_dim() * 2 <= THREADS, op, ": key_cache: head size ", layout.head_size,
+                  " is above the CUDA kernels' ", THREADS * NVFP4_GROUP / 2);
 }
 
 // Quantizes one 16-element group into its 8 code bytes and 1 scale byte (FORMATS.md §1 steps 1-4).
-template <bool kVector, typename T>
-__device__ __forceinline__ void store_group(const T* x, float global, float inv_global, uint8_t* data,
+template <bool kVector>
+__device__ __forceinline__ void store_group(const float (&v)[GROUP], float global, float inv_global, uint8_t* data,
                                             uint8_t* scale) {
-  float v[GROUP];
-  load_floats<GROUP, kVector>(x, v);
   float amax = 0.0f;
 #pragma unroll
   for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(v[i]));
@@ -73,21 +72,23 @@ __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_kernel(
     const float* __restrict__ v_scale, NVFP4PageLayout layout) {
   const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.z + threadIdx.z;
   if (token >= num_tokens) return;
-  const int64_t slot = slot_mapping[token];
-  if (slot < 0) return;  // padding token
-  const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
-  uint8_t* k_side = block_bytes(key_cache, block, num_blocks, block_stride);
-  uint8_t* v_side = block_bytes(value_cache, block, num_blocks, block_stride);
-  if (k_side == nullptr) return;
+  const int64_t slot = __ldg(slot_mapping + token);
   const float kg = __ldg(k_scale), vg = __ldg(v_scale);
-  const float inv_kg = 1.0f / kg, inv_vg = 1.0f / vg;
   const int g = threadIdx.x;
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
+    float k[GROUP], v[GROUP];  // loaded while the slot is still in flight
+    load_floats<GROUP, kVector>(key + token * key_token_stride + head * key_head_stride + g * GROUP, k);
+    load_floats<GROUP, kVector>(value + token * value_token_stride + head * value_head_stride + g * GROUP, v);
+    // A negative slot is a padding token; a slot past the cache is skipped too (checking it on the host
+    // would need a sync; the CPU op raises).
+    if (slot < 0 || slot >= num_blocks * layout.block_size) return;
+    const int64_t block = slot / layout.block_size, offset = slot - block * layout.block_size;
+    uint8_t* k_side = key_cache + block * block_stride;
+    uint8_t* v_side = value_cache + block * block_stride;
     const int64_t data = layout.data_offset(offset, head) + g * (GROUP / 2);
-    store_group<kVector>(key + token * key_token_stride + head * key_head_stride + g * GROUP, kg, inv_kg,
-                         k_side + data, k_side + layout.scale_offset(offset, head, g, false));
-    store_group<kVector>(value + token * value_token_stride + head * value_head_stride + g * GROUP, vg, inv_vg,
-                         v_side + data, v_side + layout.scale_offset(offset, head, g, layout.swizzle_v_scales));
+    store_group<kVector>(k, kg, 1.0f / kg, k_side + data, k_side + layout.scale_offset(offset, head, g, false));
+    store_group<kVector>(v, vg, 1.0f / vg, v_side + data,
+                         v_side + layout.scale_offset(offset, head, g, layout.swizzle_v_scales));
   }
 }
 
@@ -96,29 +97,27 @@ __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_kernel(
 __constant__ float E2M1_VALUES[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
                                       -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
-// Dequantizes one group: (e2m1 · SF) · global in float32 (the first product is exact), then cast to T.
+constexpr int ROWS = 4;  // output rows per gather thread
+
+// Codes of half a group: 4 bytes (8 E2M1 codes), at an 8-byte aligned group when kVector.
+template <bool kVector>
+__device__ __forceinline__ uint32_t load_codes(const uint8_t* data) {
+  if constexpr (kVector) return __ldg(reinterpret_cast<const uint32_t*>(data));
+  uint32_t codes = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) codes |= static_cast<uint32_t>(data[i]) << (8 * i);
+  return codes;
+}
+
+// Dequantizes 8 codes: (e2m1 · SF) · global in float32 (the first product is exact), then casts to T.
 template <bool kVector, typename T>
-__device__ __forceinline__ void load_group(const uint8_t* data, uint8_t scale, float global,
-                                           const float* __restrict__ lut, T* out) {
-  uint2 codes;
-  if constexpr (kVector) {
-    codes = *reinterpret_cast<const uint2*>(data);
-  } else {
-    codes = make_uint2(0, 0);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      codes.x |= static_cast<uint32_t>(data[i]) << (8 * i);
-      codes.y |= static_cast<uint32_t>(data[4 + i]) << (8 * i);
-    }
-  }
+__device__ __forceinline__ void store_decoded(uint32_t codes, uint8_t scale, float global,
+                                              const float* __restrict__ lut, T* out) {
   const float sf = e4m3_value(scale);
-  float v[GROUP];
+  float v[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    v[i] = lut[(codes.x >> (4 * i)) & 0xF] * sf * global;
-    v[8 + i] = lut[(codes.y >> (4 * i)) & 0xF] * sf * global;
-  }
-  store_floats<GROUP, kVector>(v, out);
+  for (int i = 0; i < 8; ++i) v[i] = lut[(codes >> (4 * i)) & 0xF] * sf * global;
+  store_floats<8, kVector>(v, out);
 }
 
 template <bool kVector, typename T>
@@ -134,24 +133,50 @@ __global__ void __launch_bounds__(THREADS) gather_nvfp4_kv_cache_kernel(
   if (tid < 16) lut[tid] = E2M1_VALUES[tid];
   __syncthreads();
 
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * blockDim.z + threadIdx.z;
   // Rows past cu_seq_lens[batch] stay untouched, and their (garbage) block-table entries unread.
-  if (row >= num_rows || row >= __ldg(cu_seq_lens + batch)) return;
-  const int b = sequence_of(cu_seq_lens, batch, row);
-  const int64_t pos = row - __ldg(cu_seq_lens + b);
-  const int64_t block = __ldg(block_table + b * table_stride + pos / layout.block_size);
-  const int64_t offset = pos % layout.block_size;
-  if (block < 0 || block >= num_blocks) return;  // not a block of the cache (the CPU op raises)
-  const uint8_t* k_side = key_cache + block * block_stride;
-  const uint8_t* v_side = value_cache + block * block_stride;
+  const int64_t rows_end = min(num_rows, static_cast<int64_t>(__ldg(cu_seq_lens + batch)));
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.z * ROWS + threadIdx.z;
+  if (first >= rows_end) return;
+  // This thread's rows: first + u * blockDim.z. They only grow, so one binary search finds the first
+  // row's sequence and the others step forward from it.
+  int64_t sides[ROWS];  // byte offset of the row's block side in the caches, or -1: nothing to gather
+  int offsets[ROWS];    // the row's token offset inside its block
+  int b = sequence_of(cu_seq_lens, batch, first);
+#pragma unroll
+  for (int u = 0; u < ROWS; ++u) {
+    const int64_t row = first + u * blockDim.z;
+    sides[u] = -1;
+    if (row >= rows_end) continue;
+    while (__ldg(cu_seq_lens + b + 1) <= row) ++b;
+    const int pos = static_cast<int>(row - __ldg(cu_seq_lens + b));
+    const int64_t block = __ldg(block_table + b * table_stride + pos / layout.block_size);
+    offsets[u] = pos % static_cast<int>(layout.block_size);
+    if (block >= 0 && block < num_blocks) sides[u] = block * block_stride;  // else: the CPU op raises
+  }
+  const int g = threadIdx.x >> 1, half = threadIdx.x & 1;
   const float kg = __ldg(k_scale), vg = __ldg(v_scale);
-  const int g = threadIdx.x;
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
-    const int64_t data = layout.data_offset(offset, head) + g * (GROUP / 2);
-    load_group<kVector>(k_side + data, k_side[layout.scale_offset(offset, head, g, false)], kg, lut,
-                        out_key + row * key_row_stride + head * key_head_stride + g * GROUP);
-    load_group<kVector>(v_side + data, v_side[layout.scale_offset(offset, head, g, layout.swizzle_v_scales)], vg,
-                        lut, out_value + row * value_row_stride + head * value_head_stride + g * GROUP);
+    uint32_t k_codes[ROWS], v_codes[ROWS];
+    uint8_t k_sf[ROWS], v_sf[ROWS];
+#pragma unroll
+    for (int u = 0; u < ROWS; ++u) {  // every load first, then the decodes
+      if (sides[u] < 0) continue;
+      const uint8_t* k_side = key_cache + sides[u];
+      const uint8_t* v_side = value_cache + sides[u];
+      const int64_t data = layout.data_offset(offsets[u], head) + g * (GROUP / 2) + half * 4;
+      k_codes[u] = load_codes<kVector>(k_side + data);
+      v_codes[u] = load_codes<kVector>(v_side + data);
+      k_sf[u] = __ldg(k_side + layout.scale_offset(offsets[u], head, g, false));
+      v_sf[u] = __ldg(v_side + layout.scale_offset(offsets[u], head, g, layout.swizzle_v_scales));
+    }
+#pragma unroll
+    for (int u = 0; u < ROWS; ++u) {
+      if (sides[u] < 0) continue;
+      const int64_t row = first + u * blockDim.z, column = g * GROUP + half * 8;
+      store_decoded<kVector>(k_codes[u], k_sf[u], kg, lut, out_key + row * key_row_stride + head * key_head_stride + column);
+      store_decoded<kVector>(v_codes[u], v_sf[u], vg, lut,
+                             out_value + row * value_row_stride + head * value_head_stride + column);
+    }
   }
 }
 
@@ -176,7 +201,8 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
   const int64_t num_tokens = slot_mapping.size(0);
   if (num_tokens == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
-  const dim3 block = block_shape(layout);
+  check_head_size(op, layout);
+  const dim3 block = block_shape(layout, 1);
   const dim3 grid(static_cast<unsigned>((num_tokens + block.z - 1) / block.z));
   const cudaStream_t stream = current_stream(key_cache);
   dispatch_float_types(op, key.scalar_type(), [&](auto tag) {
@@ -208,8 +234,10 @@ void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cac
   const int64_t num_rows = out_key.size(0), batch = block_table.size(0);
   if (num_rows == 0 || batch == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
-  const dim3 block = block_shape(layout);
-  const dim3 grid(static_cast<unsigned>((num_rows + block.z - 1) / block.z));
+  check_head_size(op, layout);
+  const dim3 block = block_shape(layout, 2);
+  const int64_t rows_per_block = static_cast<int64_t>(block.z) * ROWS;
+  const dim3 grid(static_cast<unsigned>((num_rows + rows_per_block - 1) / rows_per_block));
   const cudaStream_t stream = current_stream(key_cache);
   dispatch_float_types(op, out_key.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
