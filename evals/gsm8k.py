@@ -22,7 +22,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -77,6 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder with GSM8K test.jsonl and train.jsonl (offline); default: the stock task's "
         "Hugging Face dataset. evals/data holds a vendored subset",
     )
+    parser.add_argument(
+        "--fewshot-sampler",
+        choices=("default", "first_n"),
+        default="default",
+        help="lm-eval few-shot sampler: 'default' (the stock task: random examples per question, seeded) or "
+        "'first_n' (the same first train examples for every question: one shared prefix that vLLM's prefix "
+        "cache computes once, much faster on CPU)",
+    )
     parser.add_argument("--out", type=Path, default=Path("out/gsm8k"), help="output folder (default out/gsm8k)")
     parser.add_argument(
         "--tolerance",
@@ -91,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=4096, help="20-shot prompts need ~4k tokens")
     parser.add_argument("--max-num-seqs", type=int, default=16, help="vLLM batch size (default 16)")
     parser.add_argument("--max-gen-toks", type=int, default=256, help="lm-eval's default for generate_until")
+    parser.add_argument(
+        "--fidelity-questions",
+        type=int,
+        default=20,
+        help="questions for the teacher-forced KV-fidelity measure (0: skip it; default 20)",
+    )
+    parser.add_argument(
+        "--fidelity-tokens", type=int, default=64, help="reference-answer tokens teacher-forced per question"
+    )
     parser.add_argument("--no-eager", action="store_true", help="let vLLM compile (enforce_eager is the default)")
     parser.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return parser
@@ -161,6 +178,12 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--confidence must be in (0, 1), got {args.confidence}")
     if args.bootstrap_resamples < 100:
         raise UsageError(f"--bootstrap-resamples must be >= 100, got {args.bootstrap_resamples}")
+    if args.fidelity_questions < 0:
+        raise UsageError(f"--fidelity-questions must be >= 0, got {args.fidelity_questions}")
+    if args.fidelity_tokens < 2:
+        raise UsageError(f"--fidelity-tokens must be >= 2 (the first answer token is not measured), got {args.fidelity_tokens}")
+    if args.fidelity_questions and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise UsageError("--fidelity-questions reads logits inside the engine: needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
     for name in ("max_model_len", "max_num_seqs", "max_gen_toks"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
@@ -174,25 +197,27 @@ def validate(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------- the lm-eval task
 
 
-def write_local_task(data_dir: Path, task_dir: Path) -> Path:
-    """A task YAML that includes lm-eval's stock gsm8k task and reads local jsonl files instead.
-    It keeps the name `gsm8k` (lm-eval logs that it overrides the stock one), so results and
-    tables read exactly as with the stock task."""
+def write_local_task(data_dir: Path | None, fewshot_sampler: str, task_dir: Path) -> Path:
+    """A task YAML that includes lm-eval's stock gsm8k task and changes only the data source (local
+    jsonl files) and/or the few-shot sampler. It keeps the name `gsm8k` (lm-eval logs that it
+    overrides the stock one), so results and tables read exactly as with the stock task."""
     import lm_eval.tasks
 
     stock = Path(lm_eval.tasks.__file__).parent / "gsm8k" / "gsm8k.yaml"
     if not stock.is_file():
         raise RuntimeError(f"lm-eval's stock gsm8k task is not at {stock}")
-    data_dir = data_dir.resolve()
-    config = {
-        "include": str(stock),
-        "task": TASK,
-        "dataset_path": "json",
-        "dataset_name": None,
-        "dataset_kwargs": {
-            "data_files": {"train": str(data_dir / "train.jsonl"), "test": str(data_dir / "test.jsonl")}
-        },
-    }
+    config = {"include": str(stock), "task": TASK}
+    if data_dir is not None:
+        data_dir = data_dir.resolve()
+        config |= {
+            "dataset_path": "json",
+            "dataset_name": None,
+            "dataset_kwargs": {
+                "data_files": {"train": str(data_dir / "train.jsonl"), "test": str(data_dir / "test.jsonl")}
+            },
+        }
+    if fewshot_sampler != "default":
+        config["fewshot_config"] = {"sampler": fewshot_sampler}
     task_dir.mkdir(parents=True, exist_ok=True)
     path = task_dir / "gsm8k_local.yaml"
     path.write_text(json.dumps(config, indent=2) + "\n")  # JSON is valid YAML
@@ -202,9 +227,10 @@ def write_local_task(data_dir: Path, task_dir: Path) -> Path:
 def task_manager(args: argparse.Namespace):
     from lm_eval.tasks import TaskManager
 
-    if args.data_dir is None:
+    if args.data_dir is None and args.fewshot_sampler == "default":
         return TaskManager()
-    return TaskManager(include_path=str(write_local_task(args.data_dir, args.out / "tasks").parent))
+    task_yaml = write_local_task(args.data_dir, args.fewshot_sampler, args.out / "tasks")
+    return TaskManager(include_path=str(task_yaml.parent))
 
 
 def check_task_loads(manager) -> None:
@@ -228,23 +254,31 @@ class Run:
     seconds: float
     metrics: dict  # filter -> {"exact_match": x, "exact_match_stderr": s}
     questions: list  # per question: doc_id, prompt_hash, target, response, per filter outcome
+    prompts: dict[int, str] = field(repr=False)  # doc_id -> lm-eval's full prompt (few-shot context included)
     lm_eval_results: dict = field(repr=False)  # lm-eval's results/versions/n-shot for make_table
 
     def outcomes(self, filter_name: str) -> dict[int, int]:
         return {q["doc_id"]: q[filter_name] for q in self.questions}
 
 
-def engine_args(args: argparse.Namespace, kv_cache_dtype: str) -> dict:
+def vllm_args(args: argparse.Namespace) -> dict:
+    """vllm.LLM arguments shared by the accuracy runs and the fidelity engines."""
     return {
-        "pretrained": args.model,
         "dtype": args.dtype,
-        "kv_cache_dtype": kv_cache_dtype,
         "max_model_len": args.max_model_len,
         "max_num_seqs": args.max_num_seqs,
-        "max_gen_toks": args.max_gen_toks,
         "enforce_eager": not args.no_eager,
         "enable_prefix_caching": True,  # the few-shot prefix is shared by every question
         "seed": args.seed,
+    }
+
+
+def engine_args(args: argparse.Namespace, kv_cache_dtype: str) -> dict:
+    """Arguments of lm-eval's `vllm` model (the vllm.LLM ones pass through)."""
+    return vllm_args(args) | {
+        "pretrained": args.model,
+        "kv_cache_dtype": kv_cache_dtype,
+        "max_gen_toks": args.max_gen_toks,
         "batch_size": "auto",  # lm-eval hands vLLM all requests at once (and vLLM shows a bar)
     }
 
@@ -256,7 +290,9 @@ def collect_run(kv_cache_dtype: str, num_fewshot: int, seconds: float, results: 
         for f in FILTERS
     }
     by_doc: dict[int, dict] = {}
+    prompts: dict[int, str] = {}
     for sample in results["samples"][TASK]:
+        prompts[sample["doc_id"]] = sample["arguments"][0][0]
         question = by_doc.setdefault(
             sample["doc_id"],
             {
@@ -269,7 +305,8 @@ def collect_run(kv_cache_dtype: str, num_fewshot: int, seconds: float, results: 
         question[sample["filter"]] = int(sample[METRIC])
         question[f"{sample['filter']} answer"] = sample["filtered_resps"][0]
     lm_eval_results = {key: results[key] for key in ("results", "versions", "n-shot", "higher_is_better")}
-    return Run(kv_cache_dtype, num_fewshot, seconds, metrics, sorted(by_doc.values(), key=lambda q: q["doc_id"]), lm_eval_results)
+    questions = sorted(by_doc.values(), key=lambda q: q["doc_id"])
+    return Run(kv_cache_dtype, num_fewshot, seconds, metrics, questions, prompts, lm_eval_results)
 
 
 def release_engine(lm) -> None:
@@ -312,6 +349,33 @@ def run_all(args: argparse.Namespace, manager) -> list[Run]:
                 bar.update(1)
             release_engine(lm)
     return runs
+
+
+def measure_fidelity(runs: list[Run], args: argparse.Namespace) -> list[dict]:
+    """Teacher-forced next-token agreement of each candidate KV dtype with the baseline, on lm-eval's
+    prompts of the first shot count followed by the reference answers. The plugin's measure reads
+    only decode steps, whose query attends to the context through the (quantized) paged cache."""
+    from vllm_nvfp4_plugin.fidelity import teacher_forced_agreement
+
+    baseline_dtype, shots = args.kv_cache_dtypes[0], args.num_fewshot[0]
+    baseline = next(r for r in runs if r.kv_cache_dtype == baseline_dtype and r.num_fewshot == shots)
+    chosen = baseline.questions[: args.fidelity_questions]
+    prompts = [baseline.prompts[q["doc_id"]] for q in chosen]
+    answers = [" " + q["target"] for q in chosen]  # the prompt ends in "Answer:"; few-shot answers follow a space
+    rows = []
+    for candidate in tqdm(args.kv_cache_dtypes[1:], desc="KV fidelity", unit="dtype"):
+        start = time.perf_counter()
+        result = teacher_forced_agreement(
+            args.model,
+            prompts,
+            answers,
+            kv_cache_dtype=candidate,
+            reference_kv_cache_dtype=baseline_dtype,
+            max_continuation_tokens=args.fidelity_tokens,
+            **vllm_args(args),
+        )
+        rows.append(asdict(result) | {"num_fewshot": shots, "seconds": round(time.perf_counter() - start, 1)})
+    return rows
 
 
 # ---------------------------------------------------------------- comparison and outputs
@@ -360,7 +424,9 @@ def versions() -> dict:
     return found
 
 
-def markdown_report(runs: list[Run], comparisons: list[dict], args: argparse.Namespace, passed: bool) -> str:
+def markdown_report(
+    runs: list[Run], comparisons: list[dict], fidelity: list[dict], args: argparse.Namespace, passed: bool
+) -> str:
     from lm_eval.utils import make_table
 
     # one lm-eval table with a row block per (KV dtype, shots): the task key carries the setting
@@ -395,6 +461,20 @@ def markdown_report(runs: list[Run], comparisons: list[dict], args: argparse.Nam
             f"|{row['mcnemar_p']:.4f}|{'pass' if row['passed'] else 'FAIL'}|"
         )
     lines += ["", f"**Verdict: {'PASS' if passed else 'FAIL'}** (every row must pass: CI low ≥ −tolerance)", ""]
+    if fidelity:
+        lines += [
+            "KV fidelity (teacher-forced reference answers after lm-eval's prompts; decode steps only; "
+            "KL(reference ‖ candidate) in nats):",
+            "",
+            "|Reference|Candidate|n-shot|Questions|Positions|Top-1 agreement|Mean KL|Max KL|",
+            "|---------|---------|-----:|--------:|--------:|--------------:|------:|-----:|",
+        ]
+        for row in fidelity:
+            lines.append(
+                f"|{row['reference_kv_cache_dtype']}|{row['kv_cache_dtype']}|{row['num_fewshot']}|{row['num_prompts']}"
+                f"|{row['num_positions']}|{row['top1_agreement']:.4f}|{row['mean_kl']:.5f}|{row['max_kl']:.4f}|"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -449,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     runs = run_all(args, manager)
     comparisons = compare_runs(runs, args)
+    fidelity = measure_fidelity(runs, args) if args.fidelity_questions else []
     passed = all(row["passed"] for row in comparisons)
 
     report = {
@@ -461,6 +542,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in runs
         ],
         "comparisons": comparisons,
+        "fidelity": fidelity,
         "verdict": {
             "passed": passed,
             "rule": "every (candidate, n-shot, filter) row: lower bound of the two-sided paired percentile "
@@ -469,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - start, 1),
     }
     (args.out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    markdown = markdown_report(runs, comparisons, args, passed)
+    markdown = markdown_report(runs, comparisons, fidelity, args, passed)
     (args.out / "results.md").write_text(markdown)
     if not args.no_plot:
         plot(runs, args, args.out / "accuracy.png")
