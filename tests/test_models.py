@@ -1,6 +1,8 @@
 """The cached model folders: SmolLM2 converted from its GGUF, the tiny random Llama, and the atomic build."""
 
 import json
+import os
+import time
 
 import numpy as np
 import pytest
@@ -92,6 +94,18 @@ def test_failed_build_leaves_nothing_behind(tmp_path):
     with pytest.raises(OSError, match="disk full"):
         models._build_once(tmp_path / "model", build)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stale_temp_folders_of_killed_builds_are_removed(tmp_path):
+    stale = tmp_path / ".model.killed"
+    fresh = tmp_path / ".model.running"
+    for folder in (stale, fresh):
+        folder.mkdir()
+    old = time.time() - models.STALE_BUILD_S - 60
+    os.utime(stale, (old, old))
+
+    models._build_once(tmp_path / "model", lambda out: (out / "weights").write_text("x"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.running", "model"]
 
 
 def test_build_runs_once_and_loses_a_race_gracefully(tmp_path):

