@@ -181,7 +181,9 @@ def validate(args: argparse.Namespace) -> None:
     if args.fidelity_questions < 0:
         raise UsageError(f"--fidelity-questions must be >= 0, got {args.fidelity_questions}")
     if args.fidelity_tokens < 2:
-        raise UsageError(f"--fidelity-tokens must be >= 2 (the first answer token is not measured), got {args.fidelity_tokens}")
+        raise UsageError(
+            f"--fidelity-tokens must be >= 2 (the first answer token is not measured), got {args.fidelity_tokens}"
+        )
     if args.fidelity_questions and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise UsageError("--fidelity-questions reads logits inside the engine: needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
     for name in ("max_model_len", "max_num_seqs", "max_gen_toks"):
@@ -309,21 +311,10 @@ def collect_run(kv_cache_dtype: str, num_fewshot: int, seconds: float, results: 
     return Run(kv_cache_dtype, num_fewshot, seconds, metrics, questions, prompts, lm_eval_results)
 
 
-def release_engine(lm) -> None:
-    """Free one vLLM engine before the next one starts in this process."""
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    engine = getattr(lm.model, "llm_engine", None)
-    if engine is not None and hasattr(engine, "engine_core"):
-        engine.engine_core.shutdown()
-    del lm
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
 def run_all(args: argparse.Namespace, manager) -> list[Run]:
     import lm_eval
     from lm_eval.api.registry import get_model
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     runs = []
     with tqdm(total=len(args.kv_cache_dtypes) * len(args.num_fewshot), desc="gsm8k runs", unit="run") as bar:
@@ -347,7 +338,11 @@ def run_all(args: argparse.Namespace, manager) -> list[Run]:
                 )
                 runs.append(collect_run(kv_cache_dtype, shots, time.perf_counter() - start, results))
                 bar.update(1)
-            release_engine(lm)
+            # free this engine (its KV cache, its process group) before the next one starts
+            lm.model.llm_engine.engine_core.shutdown()
+            del lm
+            gc.collect()
+            cleanup_dist_env_and_memory()
     return runs
 
 
@@ -408,8 +403,13 @@ def compare_runs(runs: list[Run], args: argparse.Namespace) -> list[dict]:
                 seed=args.seed,
             )
             rows.append(
-                {"baseline": baseline_dtype, "candidate": run.kv_cache_dtype, "num_fewshot": run.num_fewshot,
-                 "filter": filter_name} | result.as_dict()
+                {
+                    "baseline": baseline_dtype,
+                    "candidate": run.kv_cache_dtype,
+                    "num_fewshot": run.num_fewshot,
+                    "filter": filter_name,
+                }
+                | result.as_dict()
             )
     return rows
 
@@ -442,13 +442,17 @@ def markdown_report(
     lines = [
         f"# gsm8k: KV cache {args.kv_cache_dtypes[0]} vs {', '.join(args.kv_cache_dtypes[1:])}",
         "",
-        f"model `{args.model}`, {runs[0].questions.__len__()} questions, "
-        f"tolerance {args.tolerance:g}, confidence {args.confidence:g}",
+        (
+            f"model `{args.model}`, {len(runs[0].questions)} questions, "
+            f"tolerance {args.tolerance:g}, confidence {args.confidence:g}"
+        ),
         "",
         make_table(merged).strip(),
         "",
-        "Paired comparison (candidate − baseline, same questions; interval: paired percentile bootstrap; "
-        "p: exact McNemar):",
+        (
+            "Paired comparison (candidate − baseline, same questions; interval: paired percentile bootstrap; "
+            "p: exact McNemar):"
+        ),
         "",
         "|Baseline|Candidate|n-shot|Filter|Baseline acc|Candidate acc|Δ|CI low|CI high|Lost|Gained|McNemar p|Verdict|",
         "|--------|---------|-----:|------|-----------:|------------:|--:|-----:|------:|---:|-----:|--------:|-------|",
@@ -463,8 +467,10 @@ def markdown_report(
     lines += ["", f"**Verdict: {'PASS' if passed else 'FAIL'}** (every row must pass: CI low ≥ −tolerance)", ""]
     if fidelity:
         lines += [
-            "KV fidelity (teacher-forced reference answers after lm-eval's prompts; decode steps only; "
-            "KL(reference ‖ candidate) in nats):",
+            (
+                "KV fidelity (teacher-forced reference answers after lm-eval's prompts; decode steps only; "
+                "KL(reference ‖ candidate) in nats):"
+            ),
             "",
             "|Reference|Candidate|n-shot|Questions|Positions|Top-1 agreement|Mean KL|Max KL|",
             "|---------|---------|-----:|--------:|--------:|--------------:|------:|-----:|",
@@ -537,8 +543,14 @@ def main(argv: list[str] | None = None) -> int:
         | {"engine_args": {kv: engine_args(args, kv) for kv in args.kv_cache_dtypes}, "task": TASK},
         "versions": versions(),
         "runs": [
-            {"kv_cache_dtype": r.kv_cache_dtype, "num_fewshot": r.num_fewshot, "seconds": round(r.seconds, 1),
-             "n": len(r.questions), "metrics": r.metrics, "questions": r.questions}
+            {
+                "kv_cache_dtype": r.kv_cache_dtype,
+                "num_fewshot": r.num_fewshot,
+                "seconds": round(r.seconds, 1),
+                "n": len(r.questions),
+                "metrics": r.metrics,
+                "questions": r.questions,
+            }
             for r in runs
         ],
         "comparisons": comparisons,

@@ -104,9 +104,7 @@ def compare_paired(
     base = _as_outcomes("baseline", baseline)
     cand = _as_outcomes("candidate", candidate)
     if base.shape != cand.shape:
-        raise ValueError(
-            f"baseline and candidate must score the same questions: {base.size} vs {cand.size} outcomes"
-        )
+        raise ValueError(f"baseline and candidate must score the same questions: {base.size} vs {cand.size} outcomes")
     n = base.size
     losses = int(((base == 1) & (cand == 0)).sum())
     gains = int(((base == 0) & (cand == 1)).sum())

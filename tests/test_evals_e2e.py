@@ -110,7 +110,7 @@ def test_end_to_end_bf16_vs_nvfp4_on_smollm2(tmp_path, smollm2):
         "--fidelity-tokens", "16",
     ]  # fmt: skip
     env = os.environ | OFFLINE | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode in (0, 1), done.stderr[-4000:]
 
     report = json.loads((out / "results.json").read_text())
