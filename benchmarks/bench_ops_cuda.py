@@ -97,6 +97,11 @@ def bench_copy(results: Results) -> float:
     results.add("copy 2 GiB", "cudaMemcpy (eager)", memcpy_ms, 2 * src.numel())
     kernel_ms = graph_ms([lambda: torch.bitwise_or(src32, 0, out=dst32)], repeat=2)
     results.add("copy 2 GiB", "torch elementwise kernel", kernel_ms, 2 * src.numel())
+    # Write-only and read-only streams: the NVFP4 gather's bytes are 78% writes, the store's 78% reads.
+    results.add("write 2 GiB", "torch fill_", graph_ms([lambda: dst32.fill_(7)], repeat=2), dst.numel())
+    total = torch.empty(1, dtype=torch.int64, device=DEVICE)
+    results.add("read 2 GiB", "torch sum", graph_ms([lambda: torch.sum(src32, dtype=torch.int64, out=total)], repeat=2),
+                src.numel())
     return 2 * src.numel() / min(memcpy_ms, kernel_ms) / 1e9
 
 
@@ -229,12 +234,33 @@ def compare_with_flashinfer(flashinfer, num_tokens: int = 8192) -> str:
     return "\n".join(lines)
 
 
+def run_once_each():
+    """One call of each op at its target shape, for a profiler (`ncu ... bench_ops_cuda.py --once`)."""
+    layout, cache, key, value, slots = nvfp4_store_inputs(262144, 262144)
+    one = scalar(1.0)
+    ops.reshape_and_cache_nvfp4(key, value, cache[:, 0], cache[:, 1], slots, one, one, False)
+    table = torch.randperm(16384, device=DEVICE, dtype=torch.int32).view(16, 1024)
+    cu = torch.arange(0, 17, device=DEVICE, dtype=torch.int32) * 16384
+    out_key, out_value = (torch.empty(262144, HEADS, HEAD, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    ops.gather_nvfp4_kv_cache(cache[:, 0], cache[:, 1], table, cu, one, one, False, out_key, out_value)
+    k, indexer_cache = random_bf16(262144, 128), INDEXER.allocate(4096, DEVICE, fill=0)
+    ops.indexer_k_quant_and_cache(k, indexer_cache, torch.randperm(262144, device=DEVICE), 128, "ue8m0")
+    table = torch.randperm(4096, device=DEVICE, dtype=torch.int32).view(16, 256)
+    dst_k = torch.empty(262144, 128, device=DEVICE, dtype=torch.uint8)
+    dst_scale = torch.empty(262144, 4, device=DEVICE, dtype=torch.uint8)
+    ops.cp_gather_indexer_k_quant_cache(indexer_cache, dst_k, dst_scale, table, cu)
+    torch.cuda.synchronize()
+
+
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--once", action="store_true", help="run each op once (for a profiler) and exit")
     parser.add_argument("--flashinfer", action="store_true", help="time and compare FlashInfer's NVFP4 writer")
     parser.add_argument("--reference", action="store_true", help="also time the torch reference (eager)")
     parser.add_argument("--out", help="also write the markdown table to this file")
     args = parser.parse_args()
+    if args.once:
+        return run_once_each()
     flashinfer = None
     if args.flashinfer:
         import flashinfer
@@ -248,6 +274,8 @@ def main():
     bench_store(results, flashinfer, 262144, 262144, whole_blocks=True)
     bench_store(results, None, 262144, 262144, hnd=True)
     bench_store(results, flashinfer, 256, 262144)
+    for num_tokens in (32768, 65536):  # below and above the threshold of the 4-tokens-a-thread store
+        bench_store(results, None, num_tokens, 262144)
     bench_gather(results, 16, 65536)
     bench_gather(results, 128, 8192)
     for fmt in ("ue8m0", ""):

@@ -6,11 +6,16 @@
 # SKIP_BUILD=1 reuses an extension already built there; STEPS picks steps (default: all); every step ends
 # before DEADLINE seconds (the run tool's limit is 600).
 set -uo pipefail
-OUT=${OUT:-out}
-STEPS=${STEPS:-"build tests bench doctor memcheck racecheck"}
+OUT=$(realpath -m "${OUT:-out}")
+STEPS=${STEPS:-"build tests bench doctor memcheck racecheck ncu"}
 DEADLINE=${DEADLINE:-580}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+# Build and test the committed tree (HEAD), not whatever else sits uncommitted in the working copy.
+if git rev-parse --verify -q HEAD > /dev/null; then
+  echo "commit $(git rev-parse --short HEAD); uncommitted changes left out: $(git status --short | wc -l)" | tee "$OUT/summary.txt"
+  rm -rf /tmp/clean && mkdir /tmp/clean && git archive HEAD | tar -x -C /tmp/clean && cd /tmp/clean
+fi
 export PYTHONPATH=/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
@@ -53,12 +58,14 @@ if has build && [ -z "${SKIP_BUILD:-}" ]; then
 fi
 wait $warmup || tail -20 "$OUT/flashinfer_warmup.log"
 
-# One pytest per file, so a crash names its file; -v logs each case as it starts.
-for f in tests/test_ops_cpu.py tests/test_bad_inputs.py tests/test_fuzz.py; do
-  [ -f "$f" ] || continue
-  name=$(basename "$f" .py)
-  has tests && step "$name" 150 python3 -X faulthandler -m pytest -v -m gpu -p no:cacheprovider "$f"
-done
+# One pytest per file, so a crash names its file; -v logs each case as it starts. test_bad_inputs runs its
+# CPU cases too: whether an op's error reaches Python on this machine's torch at all.
+has tests && step test_ops_cpu 150 python3 -X faulthandler -m pytest -v -m gpu -p no:cacheprovider tests/test_ops_cpu.py
+has tests && step test_bad_inputs 90 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/test_bad_inputs.py
+if has tests && ! grep -q " passed" "$OUT/test_bad_inputs.log"; then  # a crash: where, natively
+  step bad_inputs_backtrace 90 cuda-gdb -q -batch -ex run -ex "bt 30" --args python3 -m pytest -x -q -m gpu \
+    -p no:cacheprovider tests/test_bad_inputs.py
+fi
 has bench && step bench 200 python3 benchmarks/bench_ops_cuda.py --flashinfer --reference --out "$OUT/bench.md"
 has doctor && step doctor 90 python3 -m vllm_nvfp4_plugin.doctor
 # One cudaMalloc per tensor, so memcheck sees the end of every tensor rather than of a cached pool.
@@ -67,6 +74,8 @@ has memcheck && step memcheck 200 compute-sanitizer --tool memcheck --error-exit
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "not opcheck" tests/test_ops_cpu.py
 has racecheck && step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "gather and not indexer and not opcheck" tests/test_ops_cpu.py
+has ncu && step ncu 150 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
+  --section MemoryWorkloadAnalysis -k "regex:reshape|gather|indexer" python3 benchmarks/bench_ops_cuda.py --once
 # The run tool brings back at most 8 files: the logs travel as one archive.
 mkdir -p "$OUT/logs" && mv "$OUT"/*.log "$OUT/logs/" && tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -r "$OUT/logs"
 cat "$OUT/summary.txt"

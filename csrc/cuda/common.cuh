@@ -62,24 +62,35 @@ __device__ __forceinline__ void from_float(float x, __nv_bfloat16* out) { *out =
 __device__ __forceinline__ void from_float(float x, __half* out) { *out = __float2half_rn(x); }
 __device__ __forceinline__ void from_float(float x, float* out) { *out = x; }
 
-// N consecutive elements as float32. kVector: `src` is 16-byte aligned and N * sizeof(T) a multiple of 16,
-// so the elements come in 16-byte loads; otherwise one load per element.
+// N elements of T as loaded, 16-byte aligned so vector loads can fill them; converted where they are used,
+// so a thread can hold the next token's inputs while it works on the current one.
+template <int N, typename T>
+struct alignas(16) Elements {
+  T x[N];
+};
+
+// N consecutive elements, in 16-byte loads when kVector (`src` 16-byte aligned, N * sizeof(T) a multiple of 16).
 template <int N, bool kVector, typename T>
-__device__ __forceinline__ void load_floats(const T* src, float (&out)[N]) {
+__device__ __forceinline__ Elements<N, T> load_elements(const T* src) {
+  Elements<N, T> e;
   if constexpr (kVector) {
-    constexpr int PER_VEC = 16 / sizeof(T);
-    static_assert(N % PER_VEC == 0, "a vector load covers 16 bytes");
+    static_assert((N * sizeof(T)) % 16 == 0, "a vector load covers 16 bytes");
 #pragma unroll
-    for (int v = 0; v < N / PER_VEC; ++v) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(src) + v);
-      const T* elems = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-      for (int i = 0; i < PER_VEC; ++i) out[v * PER_VEC + i] = to_float(elems[i]);
-    }
+    for (int v = 0; v < static_cast<int>(N * sizeof(T) / 16); ++v)
+      reinterpret_cast<uint4*>(e.x)[v] = __ldg(reinterpret_cast<const uint4*>(src) + v);
   } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) out[i] = to_float(src[i]);
+    for (int i = 0; i < N; ++i) e.x[i] = src[i];
   }
+  return e;
+}
+
+// Number of SMs of the current device (a cached attribute query, no sync).
+inline int sm_count(const Tensor& t) {
+  int count = 0;
+  STD_TORCH_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, t.get_device_index()) == cudaSuccess,
+                  "could not read the SM count of device ", t.get_device_index());
+  return count;
 }
 
 // Stores N float32 values converted to T (round to nearest even), in 16-byte stores when kVector.

@@ -1,8 +1,9 @@
 // CUDA kernels of the DeepSeek-V3.2 indexer K-cache ops (FORMATS.md §2): the FP8 store and the gather of
 // each sequence's cached keys into contiguous rows.
 //
-// Store: one thread owns 8 elements (one 16-byte bf16 load, one 8-byte FP8 store); the quant block's
-// threads are adjacent lanes of one warp and reduce its amax with shuffles. Gather: one thread copies one
+// Store: one thread owns 8 elements (one 16-byte bf16 load, one 8-byte FP8 store) of up to 4 tokens,
+// loading the next token's while it quantizes one; the quant block's threads are adjacent lanes of one warp
+// and reduce its amax with shuffles. Gather: one thread copies one
 // 16-byte chunk of the values of ROWS rows (the first chunk's thread also their scales), so a warp moves
 // whole rows with all its loads in flight at once; a binary search over cu_seq_lens finds the sequence of a
 // thread's first row, and its later rows step forward from there.
@@ -36,31 +37,20 @@ __device__ __forceinline__ float quant_scale(float amax, ScaleFormat fmt, uint32
   return __uint_as_float(bits);
 }
 
+// Quantizes one thread's 8 elements of one token and stores them, with the quant block's scale (from the
+// lane whose elements start the block). Every lane calls it: the amax reduction shuffles across the block.
 template <bool kVector, typename T>
-__global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
-    const T* __restrict__ k, int64_t k_row_stride, uint8_t* __restrict__ kv_cache, int64_t block_stride,
-    int64_t num_blocks, const int64_t* __restrict__ slot_mapping, int64_t num_tokens, IndexerCacheLayout layout,
-    ScaleFormat fmt) {
-  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  const int chunk = threadIdx.x;  // elements [chunk * 8, chunk * 8 + 8) of the token
-  // Every lane joins the shuffles below; only tokens with a slot in the cache store. The activations load
-  // while the slot is still in flight.
-  float v[ELEMS] = {};
-  int64_t slot = -1;
-  if (token < num_tokens) {
-    slot = __ldg(slot_mapping + token);
-    load_floats<ELEMS, kVector>(k + token * k_row_stride + chunk * ELEMS, v);
-  }
-  const bool active = slot >= 0 && slot < num_blocks * layout.block_size;
+__device__ __forceinline__ void store_token(const Elements<ELEMS, T>& x, int64_t slot, bool active, int chunk,
+                                            unsigned warp_lanes, uint8_t* __restrict__ kv_cache, int64_t block_stride,
+                                            IndexerCacheLayout layout, ScaleFormat fmt) {
+  float v[ELEMS];
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < ELEMS; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int i = 0; i < ELEMS; ++i) {
+    v[i] = to_float(x.x[i]);
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
   const int lanes = static_cast<int>(layout.quant_block_size / ELEMS);  // a power of two <= 32
-  // The block (chunks x rows threads) may end in a partial warp: shuffle among the lanes that exist. A quant
-  // block's lanes are adjacent and never straddle warps.
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x, warp_start = tid & ~(WARP - 1);
-  const int lanes_here = min(WARP, static_cast<int>(blockDim.x * blockDim.y) - warp_start);
-  const unsigned warp_lanes = lanes_here == WARP ? 0xFFFFFFFFu : (1u << lanes_here) - 1;
   for (int mask = lanes / 2; mask > 0; mask /= 2) amax = fmaxf(amax, __shfl_xor_sync(warp_lanes, amax, mask));
   if (!active) return;
 
@@ -89,7 +79,41 @@ __global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
   }
 }
 
-constexpr int ROWS = 4;  // rows per gather thread
+// Each thread handles its 8 elements of TOKENS tokens (first + u * blockDim.y), software-pipelined: token
+// u+1's activations and slot load while token u is quantized. TOKENS = 4 for large stores, 1 for small ones.
+template <int TOKENS, bool kVector, typename T>
+__global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
+    const T* __restrict__ k, int64_t k_row_stride, uint8_t* __restrict__ kv_cache, int64_t block_stride,
+    int64_t num_blocks, const int64_t* __restrict__ slot_mapping, int64_t num_tokens, IndexerCacheLayout layout,
+    ScaleFormat fmt) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y * TOKENS + threadIdx.y;
+  const int chunk = threadIdx.x;  // elements [chunk * 8, chunk * 8 + 8) of each token
+  // The block (chunks x rows threads) may end in a partial warp: shuffle among the lanes that exist. A quant
+  // block's lanes are adjacent and never straddle warps. No lane returns early: all join the shuffles.
+  const int tid = threadIdx.y * blockDim.x + threadIdx.x, warp_start = tid & ~(WARP - 1);
+  const int lanes_here = min(WARP, static_cast<int>(blockDim.x * blockDim.y) - warp_start);
+  const unsigned warp_lanes = lanes_here == WARP ? 0xFFFFFFFFu : (1u << lanes_here) - 1;
+  const int64_t num_slots = num_blocks * layout.block_size;
+  Elements<ELEMS, T> x_next = {};
+  int64_t slot_next = -1;
+  auto fetch = [&](int64_t token) {
+    if (token >= num_tokens) return;
+    x_next = load_elements<ELEMS, kVector>(k + token * k_row_stride + chunk * ELEMS);
+    slot_next = __ldg(slot_mapping + token);
+  };
+  fetch(first);
+#pragma unroll 1
+  for (int u = 0; u < TOKENS; ++u) {
+    const Elements<ELEMS, T> x = x_next;
+    const int64_t slot = slot_next;
+    slot_next = -1;
+    if (u + 1 < TOKENS) fetch(first + (u + 1) * blockDim.y);
+    store_token<kVector>(x, slot, slot >= 0 && slot < num_slots, chunk, warp_lanes, kv_cache, block_stride, layout,
+                         fmt);
+  }
+}
+
+constexpr int ROWS = 8;  // rows per gather thread
 
 // Copies `n` bytes (a multiple of 16 when kVector, with both pointers 16-byte aligned) by this thread's part:
 // 16-byte chunks, or single bytes, strided by the row's `threads`.
@@ -115,19 +139,19 @@ __global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kerne
   if (first >= rows_end) return;
   // This thread's rows: first + u * blockDim.y (a warp's lanes cover consecutive rows). They only grow, so
   // one binary search finds the first row's sequence and the others step forward from it.
-  const uint8_t* bases[ROWS];
-  int64_t offsets[ROWS];
+  int64_t bases[ROWS];  // byte offset of the row's block in the cache, or -1: nothing to gather
+  int offsets[ROWS];    // the row's token offset inside its block
   int b = sequence_of(cu_seq_lens, batch, first);
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) {
     const int64_t row = first + u * blockDim.y;
-    bases[u] = nullptr;
+    bases[u] = -1;
     if (row >= rows_end) continue;
     while (__ldg(cu_seq_lens + b + 1) <= row) ++b;
-    const int64_t pos = row - __ldg(cu_seq_lens + b);
+    const int pos = static_cast<int>(row - __ldg(cu_seq_lens + b));
     const int64_t block = __ldg(block_table + b * table_stride + pos / layout.block_size);
-    offsets[u] = pos % layout.block_size;
-    if (block >= 0 && block < num_blocks) bases[u] = kv_cache + block * block_stride;  // else: the CPU op raises
+    offsets[u] = pos % static_cast<int>(layout.block_size);
+    if (block >= 0 && block < num_blocks) bases[u] = block * block_stride;  // else: the CPU op raises
   }
   if constexpr (kVector) {
     if (layout.head_dim == blockDim.x * CHUNK && layout.scale_bytes() == 4) {
@@ -136,13 +160,14 @@ __global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kerne
       uint32_t scale[ROWS];
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
-        if (bases[u] == nullptr) continue;
-        chunk[u] = __ldg(reinterpret_cast<const uint4*>(bases[u] + layout.value_offset(offsets[u])) + threadIdx.x);
-        if (threadIdx.x == 0) scale[u] = __ldg(reinterpret_cast<const uint32_t*>(bases[u] + layout.scale_offset(offsets[u])));
+        if (bases[u] < 0) continue;
+        const uint8_t* base = kv_cache + bases[u];
+        chunk[u] = __ldg(reinterpret_cast<const uint4*>(base + layout.value_offset(offsets[u])) + threadIdx.x);
+        if (threadIdx.x == 0) scale[u] = __ldg(reinterpret_cast<const uint32_t*>(base + layout.scale_offset(offsets[u])));
       }
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
-        if (bases[u] == nullptr) continue;
+        if (bases[u] < 0) continue;
         const int64_t row = first + u * blockDim.y;
         reinterpret_cast<uint4*>(dst_k + row * k_row_stride)[threadIdx.x] = chunk[u];
         if (threadIdx.x == 0) *reinterpret_cast<uint32_t*>(dst_scale + row * scale_row_stride) = scale[u];
@@ -152,11 +177,12 @@ __global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kerne
   }
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) {
-    if (bases[u] == nullptr) continue;
+    if (bases[u] < 0) continue;
     const int64_t row = first + u * blockDim.y;
-    copy_part<kVector>(bases[u] + layout.value_offset(offsets[u]), dst_k + row * k_row_stride, layout.head_dim,
+    const uint8_t* base = kv_cache + bases[u];
+    copy_part<kVector>(base + layout.value_offset(offsets[u]), dst_k + row * k_row_stride, layout.head_dim,
                        threadIdx.x, blockDim.x);
-    copy_part<false>(bases[u] + layout.scale_offset(offsets[u]), dst_scale + row * scale_row_stride,
+    copy_part<false>(base + layout.scale_offset(offsets[u]), dst_scale + row * scale_row_stride,
                      layout.scale_bytes(), threadIdx.x, blockDim.x);
   }
 }
@@ -177,7 +203,10 @@ void indexer_k_quant_and_cache_cuda(const Tensor& k, Tensor& kv_cache, const Ten
   STD_TORCH_CHECK(chunks <= THREADS, op, ": k: head_dim ", layout.head_dim, " is above the CUDA kernel's ",
                   THREADS * ELEMS);
   const dim3 block(chunks, THREADS / chunks);
-  const dim3 grid(static_cast<unsigned>((num_tokens + block.y - 1) / block.y));
+  // Four tokens a thread once there are enough tokens to fill every SM (2048 threads each) eight times over.
+  const bool pipelined = num_tokens * chunks >= 8LL * 2048 * sm_count(kv_cache);
+  const int64_t tokens_per_block = static_cast<int64_t>(block.y) * (pipelined ? 4 : 1);
+  const dim3 grid(static_cast<unsigned>((num_tokens + tokens_per_block - 1) / tokens_per_block));
   const cudaStream_t stream = current_stream(kv_cache);
   const bool cache_aligned = aligned(kv_cache.const_data_ptr(), 8) && kv_cache.stride(0) % 8 == 0;
   dispatch_float_types(op, k.scalar_type(), [&](auto tag) {
@@ -190,9 +219,9 @@ void indexer_k_quant_and_cache_cuda(const Tensor& k, Tensor& kv_cache, const Ten
     };
     const bool k_aligned = aligned(k.const_data_ptr(), 16) && (k.stride(0) * sizeof(T)) % 16 == 0;
     if (cache_aligned && k_aligned)
-      launch(indexer_k_quant_and_cache_kernel<true, T>);
+      launch(pipelined ? indexer_k_quant_and_cache_kernel<4, true, T> : indexer_k_quant_and_cache_kernel<1, true, T>);
     else
-      launch(indexer_k_quant_and_cache_kernel<false, T>);
+      launch(pipelined ? indexer_k_quant_and_cache_kernel<4, false, T> : indexer_k_quant_and_cache_kernel<1, false, T>);
   });
   check_launch(op);
 }

@@ -26,7 +26,7 @@ constexpr int THREADS = 128;
 dim3 block_shape(const NVFP4PageLayout& layout, int threads_per_group) {
   const int x = static_cast<int>(layout.scale_dim()) * threads_per_group;
   const int heads = static_cast<int>(std::min<int64_t>(layout.num_heads, std::max(1, THREADS / x)));
-  return dim3(x, heads, std::max(1, THREADS / (x * heads)));
+  return dim3(x, heads, std::clamp(THREADS / (x * heads), 1, 64));  // blockDim.z is at most 64
 }
 
 void check_head_size(const char* op, const NVFP4PageLayout& layout) {
@@ -35,12 +35,16 @@ void check_head_size(const char* op, const NVFP4PageLayout& layout) {
 }
 
 // Quantizes one 16-element group into its 8 code bytes and 1 scale byte (FORMATS.md §1 steps 1-4).
-template <bool kVector>
-__device__ __forceinline__ void store_group(const float (&v)[GROUP], float global, float inv_global, uint8_t* data,
-                                            uint8_t* scale) {
+template <bool kVector, typename T>
+__device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float global, float inv_global,
+                                            uint8_t* data, uint8_t* scale) {
+  float v[GROUP];
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(v[i]));
+  for (int i = 0; i < GROUP; ++i) {
+    v[i] = to_float(x.x[i]);
+    amax = fmaxf(amax, fabsf(v[i]));
+  }
   const uint8_t sf = e4m3_byte(amax * ONE_SIXTH * inv_global);
   const float sf_value = e4m3_value(sf);
   const float out_scale = sf_value == 0.0f ? 0.0f : 1.0f / (sf_value * global);
@@ -63,32 +67,48 @@ __device__ __forceinline__ void store_group(const float (&v)[GROUP], float globa
   *scale = sf;
 }
 
-template <bool kVector, typename T>
+// Each thread quantizes its group for TOKENS tokens (first + u * blockDim.z), software-pipelined: token u+1's
+// activations and slot load while token u is quantized, so the loads' latency hides behind the arithmetic.
+// Large stores use TOKENS = 4; a decode step (a few hundred tokens) TOKENS = 1, to spread over every SM.
+template <int TOKENS, bool kVector, typename T>
 __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_kernel(
     const T* __restrict__ key, const T* __restrict__ value, int64_t key_token_stride, int64_t key_head_stride,
     int64_t value_token_stride, int64_t value_head_stride, uint8_t* __restrict__ key_cache,
     uint8_t* __restrict__ value_cache, int64_t block_stride, int64_t num_blocks,
     const int64_t* __restrict__ slot_mapping, int64_t num_tokens, const float* __restrict__ k_scale,
     const float* __restrict__ v_scale, NVFP4PageLayout layout) {
-  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.z + threadIdx.z;
-  if (token >= num_tokens) return;
-  const int64_t slot = __ldg(slot_mapping + token);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.z * TOKENS + threadIdx.z;
+  if (first >= num_tokens) return;
   const float kg = __ldg(k_scale), vg = __ldg(v_scale);
+  const float inv_kg = 1.0f / kg, inv_vg = 1.0f / vg;
+  const int64_t num_slots = num_blocks * layout.block_size;
   const int g = threadIdx.x;
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
-    float k[GROUP], v[GROUP];  // loaded while the slot is still in flight
-    load_floats<GROUP, kVector>(key + token * key_token_stride + head * key_head_stride + g * GROUP, k);
-    load_floats<GROUP, kVector>(value + token * value_token_stride + head * value_head_stride + g * GROUP, v);
-    // A negative slot is a padding token; a slot past the cache is skipped too (checking it on the host
-    // would need a sync; the CPU op raises).
-    if (slot < 0 || slot >= num_blocks * layout.block_size) return;
-    const int64_t block = slot / layout.block_size, offset = slot - block * layout.block_size;
-    uint8_t* k_side = key_cache + block * block_stride;
-    uint8_t* v_side = value_cache + block * block_stride;
-    const int64_t data = layout.data_offset(offset, head) + g * (GROUP / 2);
-    store_group<kVector>(k, kg, 1.0f / kg, k_side + data, k_side + layout.scale_offset(offset, head, g, false));
-    store_group<kVector>(v, vg, 1.0f / vg, v_side + data,
-                         v_side + layout.scale_offset(offset, head, g, layout.swizzle_v_scales));
+    Elements<GROUP, T> k_next, v_next;
+    int64_t slot_next = -1;
+    auto fetch = [&](int64_t token) {
+      k_next = load_elements<GROUP, kVector>(key + token * key_token_stride + head * key_head_stride + g * GROUP);
+      v_next = load_elements<GROUP, kVector>(value + token * value_token_stride + head * value_head_stride + g * GROUP);
+      slot_next = __ldg(slot_mapping + token);
+    };
+    fetch(first);
+#pragma unroll 1
+    for (int u = 0; u < TOKENS; ++u) {
+      const Elements<GROUP, T> k = k_next, v = v_next;
+      const int64_t slot = slot_next;
+      if (u + 1 < TOKENS && first + (u + 1) * blockDim.z < num_tokens) fetch(first + (u + 1) * blockDim.z);
+      if (first + u * blockDim.z >= num_tokens) break;
+      // A negative slot is a padding token; a slot past the cache is skipped too (checking it on the host
+      // would need a sync; the CPU op raises).
+      if (slot < 0 || slot >= num_slots) continue;
+      const int64_t block = slot / layout.block_size, offset = slot - block * layout.block_size;
+      uint8_t* k_side = key_cache + block * block_stride;
+      uint8_t* v_side = value_cache + block * block_stride;
+      const int64_t data = layout.data_offset(offset, head) + g * (GROUP / 2);
+      store_group<kVector>(k, kg, inv_kg, k_side + data, k_side + layout.scale_offset(offset, head, g, false));
+      store_group<kVector>(v, vg, inv_vg, v_side + data,
+                           v_side + layout.scale_offset(offset, head, g, layout.swizzle_v_scales));
+    }
   }
 }
 
@@ -203,7 +223,11 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
   check_head_size(op, layout);
   const dim3 block = block_shape(layout, 1);
-  const dim3 grid(static_cast<unsigned>((num_tokens + block.z - 1) / block.z));
+  // Four tokens a thread once there are enough tokens to fill every SM (2048 threads each) eight times over.
+  const int64_t threads_per_token = static_cast<int64_t>(block.x) * block.y;
+  const bool pipelined = num_tokens * threads_per_token >= 8LL * 2048 * sm_count(key_cache);
+  const int64_t tokens_per_block = static_cast<int64_t>(block.z) * (pipelined ? 4 : 1);
+  const dim3 grid(static_cast<unsigned>((num_tokens + tokens_per_block - 1) / tokens_per_block));
   const cudaStream_t stream = current_stream(key_cache);
   dispatch_float_types(op, key.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -215,10 +239,12 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
           slot_mapping.const_data_ptr<int64_t>(), num_tokens, k_scale.const_data_ptr<float>(),
           v_scale.const_data_ptr<float>(), layout);
     };
-    if (activations_aligned<T>(key) && activations_aligned<T>(value) && cache_aligned(key_cache, value_cache))
-      launch(reshape_and_cache_nvfp4_kernel<true, T>);
+    const bool vector =
+        activations_aligned<T>(key) && activations_aligned<T>(value) && cache_aligned(key_cache, value_cache);
+    if (vector)
+      launch(pipelined ? reshape_and_cache_nvfp4_kernel<4, true, T> : reshape_and_cache_nvfp4_kernel<1, true, T>);
     else
-      launch(reshape_and_cache_nvfp4_kernel<false, T>);
+      launch(pipelined ? reshape_and_cache_nvfp4_kernel<4, false, T> : reshape_and_cache_nvfp4_kernel<1, false, T>);
   });
   check_launch(op);
 }
