@@ -7,7 +7,7 @@
 # before DEADLINE seconds (the run tool's limit is 600).
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-out}")
-STEPS=${STEPS:-"build tests bench doctor memcheck racecheck ncu"}
+STEPS=${STEPS:-"build cuda_tests tests bench doctor memcheck memcheck_large racecheck ncu"}
 DEADLINE=${DEADLINE:-580}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -60,6 +60,7 @@ wait $warmup || tail -20 "$OUT/flashinfer_warmup.log"
 
 # One pytest per file, so a crash names its file; -v logs each case as it starts. test_bad_inputs runs its
 # CPU cases too: whether an op's error reaches Python on this machine's torch at all.
+has cuda_tests && step test_ops_cuda 120 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/test_ops_cuda.py
 has tests && step test_ops_cpu 150 python3 -X faulthandler -m pytest -v -m gpu -p no:cacheprovider tests/test_ops_cpu.py
 has tests && step test_bad_inputs 90 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/test_bad_inputs.py
 if has tests && ! grep -q " passed" "$OUT/test_bad_inputs.log"; then  # a crash: where, natively
@@ -72,6 +73,8 @@ has doctor && step doctor 90 python3 -m vllm_nvfp4_plugin.doctor
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 has memcheck && step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "not opcheck" tests/test_ops_cpu.py
+has memcheck_large && step memcheck_large 120 compute-sanitizer --tool memcheck --error-exitcode 1 \
+  python3 -m pytest -q -p no:cacheprovider tests/test_ops_cuda.py
 has racecheck && step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "gather and not indexer and not opcheck" tests/test_ops_cpu.py
 has ncu && step ncu 150 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
