@@ -10,9 +10,11 @@
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include "checks.h"
 #include "layout.h"
+#include "cpu_simd.h"
 #include "quant.h"
 
 namespace vllm_nvfp4 {
@@ -21,6 +23,10 @@ namespace {
 using torch::headeronly::ScalarType;
 
 constexpr float ONE_SIXTH = 1.0f / 6.0f;  // float32, as the reference's f32(1) / f32(6)
+
+// Below this many elements (or bytes, for the indexer gather) a call runs on one thread: waking the
+// OpenMP team costs more than the work (a decode step stores one token per sequence).
+constexpr int64_t PARALLEL_MIN_WORK = 1 << 15;
 
 template <typename Fn>
 void dispatch_float_types(ScalarType type, Fn&& fn) {
@@ -36,41 +42,148 @@ uint8_t* bytes_of(const Tensor& t) { return static_cast<uint8_t*>(t.mutable_data
 
 float global_scale(const Tensor& scale) { return *scale.const_data_ptr<float>(); }
 
-// Quantizes one (token, head) of head_size elements into `side`, one side of one block (FORMATS.md §1).
+// Row kernels are compiled for AVX-512, AVX2 and baseline x86-64, picked at load time; they are plain
+// loops over 16-element groups that the compiler vectorizes (no fast math, so results stay exact).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define NVFP4_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define NVFP4_CPU_CLONES
+#endif
+#define NVFP4_INLINE inline __attribute__((always_inline))
+
+constexpr int LANES = 16;  // NVFP4 groups (or scales) handled together by one vector
+
+// Where an entry's scales sit: scale_offset(t, h, s, swizzled) == scale_offset(t - t % 4, h, 0, false)
+// + delta[t % 4][s]. This holds because entry_index is linear in (token, head), and replaces the swizzle's
+// per-scale divisions by one table built with layout.h's scale_offset itself.
+std::vector<int64_t> scale_deltas(const NVFP4PageLayout& layout, bool swizzled) {
+  std::vector<int64_t> delta(4 * layout.scale_dim());
+  for (int64_t r = 0; r < 4; ++r)
+    for (int64_t s = 0; s < layout.scale_dim(); ++s)
+      delta[r * layout.scale_dim() + s] = layout.scale_offset(r, 0, s, swizzled) - layout.scale_offset(0, 0, 0, false);
+  return delta;
+}
+
+// Quantizes the num_heads rows of one token into `side` (one side of one block), FORMATS.md §1. The
+// groups' block scales are computed 16 groups at a time, then each group's codes as one vector.
 template <typename T>
-void store_entry(const T* x, float global, float inv_global, const NVFP4PageLayout& layout, int64_t token,
-                 int64_t head, bool swizzled, uint8_t* side) {
-  uint8_t* data = side + layout.data_offset(token, head);
-  for (int64_t s = 0; s < layout.scale_dim(); ++s) {
-    float v[NVFP4_GROUP];
-    float amax = 0.0f;
-    for (int i = 0; i < NVFP4_GROUP; ++i) {
-      v[i] = static_cast<float>(x[s * NVFP4_GROUP + i]);
-      amax = std::max(amax, std::fabs(v[i]));
+NVFP4_INLINE void store_token_impl(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t token,
+                                   const int64_t* scale_delta, float global, float inv_global, uint8_t* side) {
+  alignas(64) uint32_t amax[LANES] = {};
+  const T* src[LANES];
+  uint8_t* data[LANES];
+  uint8_t* scale[LANES];
+  int lanes = 0;
+  auto flush = [&]() __attribute__((always_inline)) {
+    simd::u32x16 amax_vector;
+    std::memcpy(&amax_vector, amax, sizeof amax_vector);
+    const simd::u32x16 sf = simd::e4m3_encode(simd::as_f32(amax_vector) * ONE_SIXTH * inv_global);
+    const simd::f32x16 sf_value = simd::e4m3_decode(sf);
+    const simd::f32x16 out_scale = sf_value == 0.0f ? simd::f32x16{} : 1.0f / (sf_value * global);
+    for (int i = 0; i < lanes; ++i) {
+      simd::pack_e2m1(simd::e2m1_encode(simd::load16(src[i]) * out_scale[i]), data[i]);
+      *scale[i] = static_cast<uint8_t>(sf[i]);
     }
-    const uint8_t sf = e4m3_encode(amax * ONE_SIXTH * inv_global);
-    const float sf_value = e4m3_decode(sf);
-    const float out_scale = sf_value == 0.0f ? 0.0f : 1.0f / (sf_value * global);
-    for (int j = 0; j < NVFP4_GROUP / 2; ++j)  // low nibble = even element
-      data[s * NVFP4_GROUP / 2 + j] = e2m1_encode(v[2 * j] * out_scale) | (e2m1_encode(v[2 * j + 1] * out_scale) << 4);
-    side[layout.scale_offset(token, head, s, swizzled)] = sf;
+    lanes = 0;
+  };
+  const int64_t r = token % 4, scale_dim = layout.scale_dim();
+  for (int64_t h = 0; h < layout.num_heads; ++h) {
+    const T* row = x + h * head_stride;
+    uint8_t* entry_data = side + layout.data_offset(token, h);
+    uint8_t* entry_scales = side + layout.scale_offset(token - r, h, 0, false);
+    for (int64_t s = 0; s < scale_dim; ++s) {
+      src[lanes] = row + s * NVFP4_GROUP;
+      amax[lanes] = simd::amax_bits(src[lanes]);
+      data[lanes] = entry_data + s * NVFP4_GROUP / 2;
+      scale[lanes] = entry_scales + scale_delta[r * scale_dim + s];
+      if (++lanes == LANES) flush();
+    }
+  }
+  if (lanes) flush();
+}
+
+// Dequantizes the num_heads entries of one token of `side`: (e2m1 · SF) · global in float32, then cast.
+template <typename T>
+NVFP4_INLINE void load_token_impl(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,
+                                  const int64_t* scale_delta, float global, T* out, int64_t head_stride) {
+  alignas(64) uint32_t sf_code[LANES] = {};
+  const uint8_t* data[LANES];
+  T* dst[LANES];
+  int lanes = 0;
+  auto flush = [&]() __attribute__((always_inline)) {
+    simd::u32x16 codes;
+    std::memcpy(&codes, sf_code, sizeof codes);
+    const simd::f32x16 sf = simd::e4m3_decode(codes);
+    for (int i = 0; i < lanes; ++i) simd::dequantize_group(data[i], sf[i], global, dst[i]);
+    lanes = 0;
+  };
+  const int64_t r = token % 4, scale_dim = layout.scale_dim();
+  for (int64_t h = 0; h < layout.num_heads; ++h) {
+    const uint8_t* entry_data = side + layout.data_offset(token, h);
+    const uint8_t* entry_scales = side + layout.scale_offset(token - r, h, 0, false);
+    T* row = out + h * head_stride;
+    for (int64_t s = 0; s < scale_dim; ++s) {
+      sf_code[lanes] = entry_scales[scale_delta[r * scale_dim + s]];
+      data[lanes] = entry_data + s * NVFP4_GROUP / 2;
+      dst[lanes] = row + s * NVFP4_GROUP;
+      if (++lanes == LANES) flush();
+    }
+  }
+  if (lanes) flush();
+}
+
+// Quantizes one indexer key (FORMATS.md §2) into its block: FP8 values, then the scales' bytes.
+template <typename T>
+NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,
+                                           int64_t offset, uint8_t* block) {
+  const int64_t qbs = layout.quant_block_size, vector_end = qbs - qbs % LANES;
+  for (int64_t j = 0; j < layout.num_scales(); ++j) {
+    const T* xj = x + j * qbs;
+    simd::u32x16 amax_vector = {};
+    for (int64_t e = 0; e < vector_end; e += LANES)
+      amax_vector = simd::max(amax_vector, simd::as_u32(simd::load16(xj + e)) & 0x7FFFFFFFu);
+    uint32_t amax = 0;
+    for (int i = 0; i < LANES; ++i) amax = std::max(amax, static_cast<uint32_t>(amax_vector[i]));
+    for (int64_t e = vector_end; e < qbs; ++e) amax = std::max(amax, float_bits(static_cast<float>(xj[e])) & 0x7FFFFFFFu);
+    float scale = std::max(float_from_bits(amax), 1e-4f) / E4M3_MAX;
+    int exponent = 0;
+    if (fmt != ScaleFormat::Float32) {  // round up to a power of two: 2^ceil(log2 scale)
+      const float mantissa = std::frexp(scale, &exponent);  // scale = mantissa · 2^exponent, mantissa in [0.5, 1)
+      if (mantissa == 0.5f) exponent -= 1;
+      scale = std::ldexp(1.0f, exponent);
+    }
+    uint8_t* values = block + layout.value_offset(offset) + j * qbs;
+    for (int64_t e = 0; e < vector_end; e += LANES) {
+      const simd::u8x16 codes = __builtin_convertvector(simd::e4m3_encode(simd::load16(xj + e) / scale), simd::u8x16);
+      std::memcpy(values + e, &codes, sizeof codes);
+    }
+    for (int64_t e = vector_end; e < qbs; ++e) values[e] = e4m3_encode(static_cast<float>(xj[e]) / scale);
+    uint8_t* scale_out = block + layout.scale_offset(offset, j);
+    if (fmt == ScaleFormat::MXFP8)
+      std::memset(scale_out, exponent + 127, 4);  // the UE8M0 exponent byte, four times
+    else
+      std::memcpy(scale_out, &scale, 4);
   }
 }
 
-// Dequantizes one (token, head) of `side` into head_size elements: (e2m1 · SF) · global, then cast.
-template <typename T>
-void load_entry(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token, int64_t head, bool swizzled,
-                float global, T* out) {
-  const uint8_t* data = side + layout.data_offset(token, head);
-  for (int64_t s = 0; s < layout.scale_dim(); ++s) {
-    const float sf = e4m3_decode(side[layout.scale_offset(token, head, s, swizzled)]);
-    for (int j = 0; j < NVFP4_GROUP / 2; ++j) {
-      const uint8_t byte = data[s * NVFP4_GROUP / 2 + j];
-      out[s * NVFP4_GROUP + 2 * j] = static_cast<T>(e2m1_decode(byte & 0xF) * sf * global);
-      out[s * NVFP4_GROUP + 2 * j + 1] = static_cast<T>(e2m1_decode(byte >> 4) * sf * global);
-    }
+#define NVFP4_DEFINE_ROW_KERNELS(T)                                                                               \
+  NVFP4_CPU_CLONES void store_token(const T* x, int64_t head_stride, const NVFP4PageLayout& layout,              \
+                                    int64_t token, const int64_t* scale_delta, float global, float inv_global,    \
+                                    uint8_t* side) {                                                              \
+    store_token_impl(x, head_stride, layout, token, scale_delta, global, inv_global, side);                       \
+  }                                                                                                               \
+  NVFP4_CPU_CLONES void load_token(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,             \
+                                   const int64_t* scale_delta, float global, T* out, int64_t head_stride) {      \
+    load_token_impl(side, layout, token, scale_delta, global, out, head_stride);                                  \
+  }                                                                                                               \
+  NVFP4_CPU_CLONES void indexer_store_token(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,        \
+                                            int64_t offset, uint8_t* block) {                                     \
+    indexer_store_token_impl(x, layout, fmt, offset, block);                                                      \
   }
-}
+NVFP4_DEFINE_ROW_KERNELS(float)
+NVFP4_DEFINE_ROW_KERNELS(c10::Half)
+NVFP4_DEFINE_ROW_KERNELS(c10::BFloat16)
+#undef NVFP4_DEFINE_ROW_KERNELS
 
 // Sequence of output row `row`: the b with cu_seq_lens[b] <= row < cu_seq_lens[b + 1].
 int64_t sequence_of(const int32_t* cu_seq_lens, int64_t batch, int64_t row) {
@@ -90,21 +203,22 @@ void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor&
   uint8_t* k_base = bytes_of(key_cache);
   uint8_t* v_base = bytes_of(value_cache);
   const int64_t block_stride = key_cache.stride(0);
+  const int64_t key_token_stride = key.stride(0), key_head_stride = key.stride(1);
+  const int64_t value_token_stride = value.stride(0), value_head_stride = value.stride(1);
+  const std::vector<int64_t> k_deltas = scale_deltas(layout, false), v_deltas = scale_deltas(layout, swizzle_v_scales);
   dispatch_float_types(key.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* k = static_cast<const T*>(key.const_data_ptr());
     const T* v = static_cast<const T*>(value.const_data_ptr());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (num_tokens * layout.num_heads * layout.head_size >= PARALLEL_MIN_WORK)
     for (int64_t i = 0; i < num_tokens; ++i) {
       const int64_t slot = slots[i];
       if (slot < 0) continue;  // padding token
       const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
-      for (int64_t h = 0; h < layout.num_heads; ++h) {
-        store_entry(k + i * key.stride(0) + h * key.stride(1), kg, inv_kg, layout, offset, h, false,
-                    k_base + block * block_stride);
-        store_entry(v + i * value.stride(0) + h * value.stride(1), vg, inv_vg, layout, offset, h, swizzle_v_scales,
-                    v_base + block * block_stride);
-      }
+      store_token(k + i * key_token_stride, key_head_stride, layout, offset, k_deltas.data(), kg, inv_kg,
+                  k_base + block * block_stride);
+      store_token(v + i * value_token_stride, value_head_stride, layout, offset, v_deltas.data(), vg, inv_vg,
+                  v_base + block * block_stride);
     }
   });
 }
@@ -124,15 +238,16 @@ void gather_nvfp4_kv_cache_cpu(const Tensor& key_cache, const Tensor& value_cach
   const uint8_t* v_base = bytes_of(value_cache);
   const int64_t block_stride = key_cache.stride(0), num_rows = cu[batch];
   auto gather_side = [&](const uint8_t* base, float global, bool swizzled, Tensor& out) {
+    const std::vector<int64_t> deltas = scale_deltas(layout, swizzled);
     dispatch_float_types(out.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
       T* o = static_cast<T*>(out.mutable_data_ptr());
-#pragma omp parallel for schedule(static)
+      const int64_t token_stride = out.stride(0), head_stride = out.stride(1);
+#pragma omp parallel for schedule(static) if (num_rows * layout.num_heads * layout.head_size >= PARALLEL_MIN_WORK)
       for (int64_t row = 0; row < num_rows; ++row) {
         const int64_t b = sequence_of(cu, batch, row), p = row - cu[b];
         const uint8_t* side = base + table[b * table_stride + p / layout.block_size] * block_stride;
-        for (int64_t h = 0; h < layout.num_heads; ++h)
-          load_entry(side, layout, p % layout.block_size, h, swizzled, global, o + row * out.stride(0) + h * out.stride(1));
+        load_token(side, layout, p % layout.block_size, deltas.data(), global, o + row * token_stride, head_stride);
       }
     });
   };
@@ -148,36 +263,17 @@ void indexer_k_quant_and_cache_cpu(const Tensor& k, Tensor& kv_cache, const Tens
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   check_slot_range("indexer_k_quant_and_cache", slots, num_tokens, kv_cache.size(0) * layout.block_size);
   uint8_t* cache = bytes_of(kv_cache);
-  const int64_t block_stride = kv_cache.stride(0);
+  const int64_t block_stride = kv_cache.stride(0), token_stride = k.stride(0);
   dispatch_float_types(k.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* x_base = static_cast<const T*>(k.const_data_ptr());
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (num_tokens * layout.head_dim >= PARALLEL_MIN_WORK)
     for (int64_t i = 0; i < num_tokens; ++i) {
       const int64_t slot = slots[i];
       if (slot < 0) continue;
       const int64_t offset = slot % layout.block_size;
       uint8_t* block = cache + slot / layout.block_size * block_stride;
-      const T* x = x_base + i * k.stride(0);
-      for (int64_t j = 0; j < layout.num_scales(); ++j) {
-        const T* xj = x + j * quant_block_size;
-        float amax = 0.0f;
-        for (int64_t e = 0; e < quant_block_size; ++e) amax = std::max(amax, std::fabs(static_cast<float>(xj[e])));
-        float scale = std::max(amax, 1e-4f) / E4M3_MAX;
-        int exponent = 0;
-        if (fmt != ScaleFormat::Float32) {  // round up to a power of two: 2^ceil(log2 scale)
-          const float mantissa = std::frexp(scale, &exponent);  // scale = mantissa · 2^exponent, mantissa in [0.5, 1)
-          if (mantissa == 0.5f) exponent -= 1;
-          scale = std::ldexp(1.0f, exponent);
-        }
-        uint8_t* values = block + layout.value_offset(offset) + j * quant_block_size;
-        for (int64_t e = 0; e < quant_block_size; ++e) values[e] = e4m3_encode(static_cast<float>(xj[e]) / scale);
-        uint8_t* scale_out = block + layout.scale_offset(offset, j);
-        if (fmt == ScaleFormat::MXFP8)
-          std::memset(scale_out, exponent + 127, 4);  // the UE8M0 exponent byte, four times
-        else
-          std::memcpy(scale_out, &scale, 4);
-      }
+      indexer_store_token(x_base + i * token_stride, layout, fmt, offset, block);
     }
   });
 }
@@ -196,7 +292,7 @@ void cp_gather_indexer_k_quant_cache_cpu(const Tensor& kv_cache, Tensor& dst_k, 
   uint8_t* scale_out = bytes_of(dst_scale);
   const int64_t block_stride = kv_cache.stride(0), k_row_stride = dst_k.stride(0);
   const int64_t scale_row_stride = dst_scale.stride(0) * dst_scale.element_size(), num_rows = cu[batch];
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (num_rows * layout.row_bytes() >= PARALLEL_MIN_WORK)
   for (int64_t row = 0; row < num_rows; ++row) {
     const int64_t b = sequence_of(cu, batch, row), p = row - cu[b];
     const uint8_t* block = cache + table[b * table_stride + p / layout.block_size] * block_stride;

@@ -66,7 +66,7 @@ def _activations(g: torch.Generator, num_tokens: int, width: int, dtype: torch.d
     """Gaussian rows spread over many magnitudes, with all-zero groups, -0, outliers and big values."""
     top = 5 if dtype == torch.float16 else 12  # keep fp16 outliers finite
     x = torch.randn(num_tokens, width, generator=g) * _log_uniform(g, (num_tokens, 1), -20, top)
-    groups = x.view(num_tokens, -1, 16)
+    groups = x.view(num_tokens, width // 16, 16)
     groups[torch.rand(groups.shape[:2], generator=g) < 0.05] = 0.0
     groups[torch.rand(groups.shape[:2], generator=g) < 0.02] = -0.0
     outliers = torch.rand(x.shape, generator=g) < 0.005

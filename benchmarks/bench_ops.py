@@ -1,0 +1,177 @@
+"""Bandwidth of the four cache ops next to a same-run memcpy of the same bytes.
+
+    python benchmarks/bench_ops.py --device cpu [--append benchmarks/RESULTS.md]
+
+For each op, "bytes" is what the op must read plus write (activations, cache entries, indices); the
+memcpy row copies half that many bytes, so it moves the same total. Sizes are tens of MB, beyond any L2.
+CPU: median wall time of repeated calls. CUDA: each op is captured in a CUDA graph and the median of
+event-timed replays is taken. Another writer can join a table as a peer `Bench` (see `benches`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from vllm_nvfp4_plugin import ops
+from vllm_nvfp4_plugin.layout import IndexerCacheLayout, NVFP4PageLayout
+
+
+@dataclass
+class Bench:
+    name: str
+    bytes: int  # read + written
+    run: Callable[[], None]
+    goal: float | None = None  # fraction of memcpy bandwidth aimed at
+
+
+def block_major_slots(num_tokens: int, block_size: int, num_blocks: int, g: torch.Generator) -> torch.Tensor:
+    """Slots as vLLM assigns them: consecutive tokens fill a block, blocks come in a shuffled order."""
+    blocks = torch.randperm(num_blocks, generator=g)[: (num_tokens + block_size - 1) // block_size]
+    t = torch.arange(num_tokens)
+    return blocks[t // block_size] * block_size + t % block_size
+
+
+def gather_tables(num_seqs: int, seq_len: int, block_size: int, num_blocks: int, g: torch.Generator):
+    per_seq = (seq_len + block_size - 1) // block_size
+    table = torch.randperm(num_blocks, generator=g)[: num_seqs * per_seq].view(num_seqs, per_seq).int()
+    cu = torch.arange(num_seqs + 1, dtype=torch.int32) * seq_len
+    return table, cu
+
+
+def benches(device: str, dtype=torch.bfloat16) -> list[Bench]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+
+    # NVFP4 KV cache: 8 KV heads of 128, block 16, 16k tokens (64 MiB of bf16 K+V in, 18 MiB cache out).
+    heads, head_size, block_size, tokens = 8, 128, 16, 16384
+    layout = NVFP4PageLayout(head_size, block_size, heads)
+    num_blocks = tokens // block_size
+    kv_cache = layout.allocate(num_blocks, device, fill=0)
+    key = torch.randn(tokens, heads, head_size, generator=g).to(dtype).to(device)
+    value = torch.randn(tokens, heads, head_size, generator=g).to(dtype).to(device)
+    slots = block_major_slots(tokens, block_size, num_blocks, g).to(device)
+    scale = torch.ones(1, device=device)
+    act_bytes = 2 * key.numel() * key.element_size()
+    cache_bytes = tokens * layout.page_bytes // block_size
+    out.append(Bench("reshape_and_cache_nvfp4", act_bytes + cache_bytes + slots.numel() * 8,
+                     lambda: ops.reshape_and_cache_nvfp4(key, value, kv_cache[:, 0], kv_cache[:, 1], slots, scale,
+                                                         scale, False), goal=0.5))
+    table, cu = gather_tables(8, tokens // 8, block_size, num_blocks, g)
+    table, cu = table.to(device), cu.to(device)
+    out_key, out_value = torch.empty_like(key), torch.empty_like(value)
+    out.append(Bench("gather_nvfp4_kv_cache", act_bytes + cache_bytes + table.numel() * 4,
+                     lambda: ops.gather_nvfp4_kv_cache(kv_cache[:, 0], kv_cache[:, 1], table, cu, scale, scale, False,
+                                                       out_key, out_value), goal=0.7))
+
+    # Indexer K cache: head_dim 128, block 64, 128k tokens (32 MiB of bf16 in, 16.5 MiB cache out).
+    ilayout = IndexerCacheLayout(128, 64, 128)
+    itokens = 131072
+    inum_blocks = itokens // ilayout.block_size
+    icache = ilayout.allocate(inum_blocks, device, fill=0)
+    k = torch.randn(itokens, ilayout.head_dim, generator=g).to(dtype).to(device)
+    islots = block_major_slots(itokens, ilayout.block_size, inum_blocks, g).to(device)
+    icache_bytes = itokens * ilayout.row_bytes
+    out.append(Bench("indexer_k_quant_and_cache", k.numel() * k.element_size() + icache_bytes + islots.numel() * 8,
+                     lambda: ops.indexer_k_quant_and_cache(k, icache, islots, 128, "ue8m0"), goal=0.5))
+    itable, icu = gather_tables(16, itokens // 16, ilayout.block_size, inum_blocks, g)
+    itable, icu = itable.to(device), icu.to(device)
+    dst_k = torch.empty(itokens, ilayout.head_dim, dtype=torch.uint8, device=device)
+    dst_scale = torch.empty(itokens, ilayout.scale_bytes, dtype=torch.uint8, device=device)
+    out.append(Bench("cp_gather_indexer_k_quant_cache", 2 * icache_bytes + itable.numel() * 4,
+                     lambda: ops.cp_gather_indexer_k_quant_cache(icache, dst_k, dst_scale, itable, icu), goal=0.7))
+    return out
+
+
+def memcpy_bench(total_bytes: int, device: str) -> Bench:
+    src = torch.randint(0, 256, (total_bytes // 2,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return Bench("memcpy", 2 * src.numel(), lambda: dst.copy_(src))
+
+
+def median_seconds(fn: Callable[[], None], device: str, repeats: int) -> float:
+    fn()  # warm up (and first-touch the outputs)
+    if device == "cpu":
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                 platform.processor())
+    return f"{model}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+
+
+def measure(device: str, repeats: int) -> list[tuple[Bench, float, float]]:
+    """(bench, GB/s, memcpy GB/s of the same bytes) for every op, memcpy measured right after the op."""
+    rows = []
+    for bench in benches(device):
+        copy = memcpy_bench(bench.bytes, device)
+        seconds, copy_seconds = median_seconds(bench.run, device, repeats), median_seconds(copy.run, device, repeats)
+        rows.append((bench, bench.bytes / seconds / 1e9, copy.bytes / copy_seconds / 1e9))
+        del copy
+    return rows
+
+
+def table(rows) -> str:
+    lines = ["| op | MB read+written | GB/s | memcpy GB/s | % of memcpy | goal |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for bench, gbps, copy_gbps in rows:
+        goal = f"{bench.goal:.0%}" if bench.goal else ""
+        lines.append(f"| {bench.name} | {bench.bytes / 1e6:.1f} | {gbps:.2f} | {copy_gbps:.2f} | "
+                     f"{gbps / copy_gbps:.0%} | {goal} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--append", metavar="RESULTS_MD", help="append a results block to this markdown file")
+    parser.add_argument("--note", default="", help="a line on the conditions (machine load, ...) for the block")
+    args = parser.parse_args()
+    rows = measure(args.device, args.repeats)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    block = (f"### {args.device} · commit {commit} · {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
+             f"{device_name(args.device)}; load average {load}; median of {args.repeats}."
+             f"{' ' + args.note if args.note else ''}\n\n{table(rows)}\n")
+    print(block)
+    if args.append:
+        with open(args.append, "a") as f:
+            f.write("\n" + block)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+// 16-lane forms of quant.h's E2M1 conversions and of the dtype conversions, for the CPU kernels.
+//
+// One NVFP4 group is 16 values, so a group is one vector. Written with GCC/Clang vector extensions, the
+// same source compiles to AVX-512, AVX2 or SSE2 in each target clone of the kernels. The operations and
+// their order are quant.h's (float32, no fused multiply-add), so results are bit-identical; the
+// bit-exact op tests against reference.py cover these functions.
+#pragma once
+
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace vllm_nvfp4::simd {
+
+// Always inlined: each kernel clone must compile these for its own vector width. An out-of-line copy
+// would pass 64-byte vectors under the baseline ABI and the AVX-512 clone would misread them.
+#define SIMD_INLINE inline __attribute__((always_inline))
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef uint64_t u64x8 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+
+SIMD_INLINE f32x16 as_f32(u32x16 u) { return __builtin_bit_cast(f32x16, u); }
+SIMD_INLINE u32x16 as_u32(f32x16 f) { return __builtin_bit_cast(u32x16, f); }
+
+// --- dtype <-> float32 (exact widening; rounding narrowing like torch's .to()) -------------------
+SIMD_INLINE f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+SIMD_INLINE f32x16 load16(const c10::BFloat16* p) {
+  u16x16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  return as_f32(__builtin_convertvector(raw, u32x16) << 16);
+}
+SIMD_INLINE f32x16 load16(const c10::Half* p) {
+  f32x16 v;
+  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+}
+
+SIMD_INLINE void store16(f32x16 v, float* p) { std::memcpy(p, &v, sizeof v); }
+// Round to nearest even like c10::BFloat16(float); NaN -> 0x7FC0.
+SIMD_INLINE void store16(f32x16 v, c10::BFloat16* p) {
+  const u32x16 u = as_u32(v);
+  const u32x16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const u16x16 out = __builtin_convertvector(v != v ? 0x7FC0u : rounded, u16x16);
+  std::memcpy(p, &out, sizeof out);
+}
+SIMD_INLINE void store16(f32x16 v, c10::Half* p) {
+  for (int i = 0; i < 16; ++i) p[i] = c10::Half(v[i]);
+}
+
+// --- group helpers --------------------------------------------------------------------------------
+template <typename V>
+SIMD_INLINE V max(V a, V b) { return a > b ? a : b; }
+
+// Pairwise maxima across lanes; every lane ends up holding the maximum.
+SIMD_INLINE u32x16 reduce_max(u32x16 m) {
+  m = max(m, __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  m = max(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  m = max(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return max(m, __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+}
+SIMD_INLINE u16x16 reduce_max(u16x16 m) {
+  m = max(m, __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  m = max(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  m = max(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return max(m, __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+}
+
+// Float32 bit pattern of max |x| over 16 values: |x| compares like its bits (NaN above inf, as torch's
+// amax keeps NaN). 16-bit inputs are compared in their own format and only the maximum is widened.
+SIMD_INLINE uint32_t amax_bits(const float* p) { return reduce_max(as_u32(load16(p)) & 0x7FFFFFFFu)[0]; }
+SIMD_INLINE uint16_t max_abs_bits16(const void* p) {
+  u16x16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  return reduce_max(raw & 0x7FFF)[0];
+}
+SIMD_INLINE uint32_t amax_bits(const c10::BFloat16* p) { return static_cast<uint32_t>(max_abs_bits16(p)) << 16; }
+SIMD_INLINE uint32_t amax_bits(const c10::Half* p) {
+  return __builtin_bit_cast(uint32_t, static_cast<float>(c10::Half(max_abs_bits16(p), c10::Half::from_bits())));
+}
+
+// The 16 E2M1 values by code (bit 3 is the sign, so code 8 is -0).
+constexpr f32x16 E2M1_VALUES = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+// The 16 codes of 8 packed bytes (low nibble = even element), as 16- or 32-bit lane indices.
+SIMD_INLINE u16x16 unpack_codes16(const uint8_t* bytes) {
+  u8x8 raw;
+  std::memcpy(&raw, bytes, sizeof raw);
+  const u16x8 wide = __builtin_convertvector(raw, u16x8);
+  return __builtin_shufflevector(wide & 0xF, wide >> 4, 0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+}
+
+// Dequantizes one group: the 16 possible outputs (e2m1 · SF) · global, cast to the output dtype, form a
+// table that the codes index, so the arithmetic is done once per code value instead of per element.
+SIMD_INLINE void dequantize_group(const uint8_t* bytes, float sf, float global, float* out) {
+  const f32x16 table = E2M1_VALUES * sf * global;
+  const u16x16 codes = unpack_codes16(bytes);
+  const f32x16 values = __builtin_shuffle(table, __builtin_convertvector(codes, u32x16));
+  std::memcpy(out, &values, sizeof values);
+}
+template <typename T>
+SIMD_INLINE void dequantize_group(const uint8_t* bytes, float sf, float global, T* out) {
+  alignas(64) T table[16];
+  store16(E2M1_VALUES * sf * global, table);
+  u16x16 table_bits;
+  std::memcpy(&table_bits, table, sizeof table_bits);
+  const u16x16 values = __builtin_shuffle(table_bits, unpack_codes16(bytes));
+  std::memcpy(out, &values, sizeof values);
+}
+
+// quant.h's e2m1_encode per lane: nearest, ties to the even code, saturating at ±6, sign bit kept.
+SIMD_INLINE u32x16 e2m1_encode(f32x16 v) {
+  const u32x16 bits = as_u32(v);
+  const f32x16 a = as_f32(bits & 0x7FFFFFFFu);
+  // A true vector comparison is -1, so subtracting each adds one code step.
+  const auto steps = -(a > 0.25f) - (a >= 0.75f) - (a > 1.25f) - (a >= 1.75f) - (a > 2.5f) - (a >= 3.5f) - (a > 5.0f);
+  return __builtin_bit_cast(u32x16, steps) | ((bits >> 31) << 3);
+}
+
+// 16 codes -> 8 bytes, low nibble = even element: seen as 64-bit lanes, each (even, odd) pair is
+// `even | odd << 32`, and one shift brings the odd code next to the even one in the low byte.
+SIMD_INLINE void pack_e2m1(u32x16 codes, uint8_t* out) {
+  const u64x8 pairs = __builtin_bit_cast(u64x8, codes);
+  const u8x8 packed = __builtin_convertvector(pairs | (pairs >> 28), u8x8);
+  std::memcpy(out, &packed, sizeof packed);
+}
+
+// quant.h's e4m3_encode per lane (lanes hold the code in their low byte).
+SIMD_INLINE u32x16 e4m3_encode(f32x16 x) {
+  const u32x16 bits = as_u32(x);
+  const u32x16 sign = (bits >> 24) & 0x80u;
+  const u32x16 mag = bits & 0x7FFFFFFFu;
+  const u32x16 normal = ((mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
+  const u32x16 subnormal = as_u32(as_f32(mag) + 16384.0f) - 0x46800000u;  // bits of 2^14
+  u32x16 code = mag < 0x3C800000u ? subnormal : normal;
+  code = mag >= 0x43E00000u ? 0x7Eu : code;
+  code = mag > 0x7F800000u ? 0x7Fu : code;
+  return sign | code;
+}
+
+// quant.h's e4m3_decode per lane.
+SIMD_INLINE f32x16 e4m3_decode(u32x16 code) {
+  const u32x16 sign = (code & 0x80u) << 24;
+  const u32x16 exp = (code >> 3) & 0xFu, man = code & 7u;
+  const u32x16 normal = ((exp + 120u) << 23) | (man << 20);
+  const u32x16 subnormal = as_u32(__builtin_convertvector(man, f32x16) * 0.001953125f);
+  const u32x16 mag = exp == 0u ? subnormal : normal;
+  return as_f32(sign | ((code & 0x7Fu) == 0x7Fu ? 0x7FC00000u : mag));
+}
+
+#undef SIMD_INLINE
+
+}  // namespace vllm_nvfp4::simd
