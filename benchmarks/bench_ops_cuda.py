@@ -97,9 +97,8 @@ def bench_copy(results: Results) -> float:
     results.add("copy 2 GiB", "cudaMemcpy (eager)", memcpy_ms, 2 * src.numel())
     kernel_ms = graph_ms([lambda: torch.bitwise_or(src32, 0, out=dst32)], repeat=2)
     results.add("copy 2 GiB", "torch elementwise kernel", kernel_ms, 2 * src.numel())
-    # Write-only and read-only streams: the NVFP4 gather's bytes are 78% writes, the store's 78% reads.
+    # A write-only stream: the NVFP4 gather's bytes are 78% writes.
     results.add("write 2 GiB", "torch fill_", graph_ms([lambda: dst32.fill_(7)], repeat=2), dst.numel())
-    results.add("read 2 GiB", "torch sum", graph_ms([lambda: src32.sum()], repeat=2), src.numel())
     return 2 * src.numel() / min(memcpy_ms, kernel_ms) / 1e9
 
 
@@ -147,17 +146,6 @@ def bench_store(results: Results, flashinfer, num_tokens: int, num_slots: int, h
             reference.reshape_and_cache_nvfp4(key, value, cache[:, 0], cache[:, 1], slots, k_scale, v_scale, False)
 
         results.add(case, "torch reference", eager_ms(torch_reference), nbytes)
-
-
-def bench_store_in_chunks(results: Results, num_tokens: int, chunks: int):
-    """The same store as `chunks` calls small enough for the one-token-a-thread kernel: the A/B of the pipelining."""
-    layout, cache, key, value, slots = nvfp4_store_inputs(num_tokens, num_tokens)
-    one, step = scalar(1.0), num_tokens // chunks
-    calls = [lambda i=i: ops.reshape_and_cache_nvfp4(key[i * step:(i + 1) * step], value[i * step:(i + 1) * step],
-                                                     cache[:, 0], cache[:, 1], slots[i * step:(i + 1) * step], one,
-                                                     one, False) for i in range(chunks)]
-    results.add(f"NVFP4 store, {num_tokens} tokens, NHD, random slots", f"plugin CUDA, {chunks} calls of 1-token kernel",
-                graph_ms(calls, repeat=1) * chunks, store_bytes(num_tokens))
 
 
 def bench_gather(results: Results, seqs: int, seq_len: int):
@@ -283,7 +271,6 @@ def main():
     bench_store(results, flashinfer, 262144, 262144, whole_blocks=True)
     bench_store(results, None, 262144, 262144, hnd=True)
     bench_store(results, flashinfer, 256, 262144)
-    bench_store_in_chunks(results, 262144, 8)
     bench_gather(results, 16, 65536)
     bench_gather(results, 128, 8192)
     for fmt in ("ue8m0", ""):

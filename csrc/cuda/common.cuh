@@ -62,8 +62,7 @@ __device__ __forceinline__ void from_float(float x, __nv_bfloat16* out) { *out =
 __device__ __forceinline__ void from_float(float x, __half* out) { *out = __float2half_rn(x); }
 __device__ __forceinline__ void from_float(float x, float* out) { *out = x; }
 
-// N elements of T as loaded, 16-byte aligned so vector loads can fill them; converted where they are used,
-// so a thread can hold the next token's inputs while it works on the current one.
+// N elements of T as loaded, 16-byte aligned so vector loads can fill them; converted where they are used.
 template <int N, typename T>
 struct alignas(16) Elements {
   T x[N];
@@ -83,14 +82,6 @@ __device__ __forceinline__ Elements<N, T> load_elements(const T* src) {
     for (int i = 0; i < N; ++i) e.x[i] = src[i];
   }
   return e;
-}
-
-// Number of SMs of the current device (a cached attribute query, no sync).
-inline int sm_count(const Tensor& t) {
-  int count = 0;
-  STD_TORCH_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, t.get_device_index()) == cudaSuccess,
-                  "could not read the SM count of device ", t.get_device_index());
-  return count;
 }
 
 // Stores N float32 values converted to T (round to nearest even), in 16-byte stores when kVector.

@@ -1,9 +1,8 @@
 // CUDA kernels of the DeepSeek-V3.2 indexer K-cache ops (FORMATS.md §2): the FP8 store and the gather of
 // each sequence's cached keys into contiguous rows.
 //
-// Store: one thread owns 8 elements (one 16-byte bf16 load, one 8-byte FP8 store) of up to 4 tokens,
-// loading the next token's while it quantizes one; the quant block's threads are adjacent lanes of one warp
-// and reduce its amax with shuffles. Gather: one thread copies one
+// Store: one thread owns 8 elements (one 16-byte bf16 load, one 8-byte FP8 store); the quant block's
+// threads are adjacent lanes of one warp and reduce its amax with shuffles. Gather: one thread copies one
 // 16-byte chunk of the values of ROWS rows (the first chunk's thread also their scales), so a warp moves
 // whole rows with all its loads in flight at once; a binary search over cu_seq_lens finds the sequence of a
 // thread's first row, and its later rows step forward from there.
@@ -79,38 +78,26 @@ __device__ __forceinline__ void store_token(const Elements<ELEMS, T>& x, int64_t
   }
 }
 
-// Each thread handles its 8 elements of TOKENS tokens (first + u * blockDim.y), software-pipelined: token
-// u+1's activations and slot load while token u is quantized. TOKENS = 4 for large stores, 1 for small ones.
-template <int TOKENS, bool kVector, typename T>
+template <bool kVector, typename T>
 __global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
     const T* __restrict__ k, int64_t k_row_stride, uint8_t* __restrict__ kv_cache, int64_t block_stride,
     int64_t num_blocks, const int64_t* __restrict__ slot_mapping, int64_t num_tokens, IndexerCacheLayout layout,
     ScaleFormat fmt) {
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y * TOKENS + threadIdx.y;
-  const int chunk = threadIdx.x;  // elements [chunk * 8, chunk * 8 + 8) of each token
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int chunk = threadIdx.x;  // elements [chunk * 8, chunk * 8 + 8) of the token
   // The block (chunks x rows threads) may end in a partial warp: shuffle among the lanes that exist. A quant
   // block's lanes are adjacent and never straddle warps. No lane returns early: all join the shuffles.
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, warp_start = tid & ~(WARP - 1);
   const int lanes_here = min(WARP, static_cast<int>(blockDim.x * blockDim.y) - warp_start);
   const unsigned warp_lanes = lanes_here == WARP ? 0xFFFFFFFFu : (1u << lanes_here) - 1;
-  const int64_t num_slots = num_blocks * layout.block_size;
-  Elements<ELEMS, T> x_next = {};
-  int64_t slot_next = -1;
-  auto fetch = [&](int64_t token) {
-    if (token >= num_tokens) return;
-    x_next = load_elements<ELEMS, kVector>(k + token * k_row_stride + chunk * ELEMS);
-    slot_next = __ldg(slot_mapping + token);
-  };
-  fetch(first);
-#pragma unroll 1
-  for (int u = 0; u < TOKENS; ++u) {
-    const Elements<ELEMS, T> x = x_next;
-    const int64_t slot = slot_next;
-    slot_next = -1;
-    if (u + 1 < TOKENS) fetch(first + (u + 1) * blockDim.y);
-    store_token<kVector>(x, slot, slot >= 0 && slot < num_slots, chunk, warp_lanes, kv_cache, block_stride, layout,
-                         fmt);
+  Elements<ELEMS, T> x = {};
+  int64_t slot = -1;
+  if (token < num_tokens) {  // the activations load while the slot is still in flight
+    slot = __ldg(slot_mapping + token);
+    x = load_elements<ELEMS, kVector>(k + token * k_row_stride + chunk * ELEMS);
   }
+  const bool active = slot >= 0 && slot < num_blocks * layout.block_size;
+  store_token<kVector>(x, slot, active, chunk, warp_lanes, kv_cache, block_stride, layout, fmt);
 }
 
 constexpr int ROWS = 8;  // rows per gather thread
@@ -203,10 +190,7 @@ void indexer_k_quant_and_cache_cuda(const Tensor& k, Tensor& kv_cache, const Ten
   STD_TORCH_CHECK(chunks <= THREADS, op, ": k: head_dim ", layout.head_dim, " is above the CUDA kernel's ",
                   THREADS * ELEMS);
   const dim3 block(chunks, THREADS / chunks);
-  // Four tokens a thread once there are enough tokens to fill every SM (2048 threads each) eight times over.
-  const bool pipelined = num_tokens * chunks >= 8LL * 2048 * sm_count(kv_cache);
-  const int64_t tokens_per_block = static_cast<int64_t>(block.y) * (pipelined ? 4 : 1);
-  const dim3 grid(static_cast<unsigned>((num_tokens + tokens_per_block - 1) / tokens_per_block));
+  const dim3 grid(static_cast<unsigned>((num_tokens + block.y - 1) / block.y));
   const cudaStream_t stream = current_stream(kv_cache);
   const bool cache_aligned = aligned(kv_cache.const_data_ptr(), 8) && kv_cache.stride(0) % 8 == 0;
   dispatch_float_types(op, k.scalar_type(), [&](auto tag) {
@@ -219,9 +203,9 @@ void indexer_k_quant_and_cache_cuda(const Tensor& k, Tensor& kv_cache, const Ten
     };
     const bool k_aligned = aligned(k.const_data_ptr(), 16) && (k.stride(0) * sizeof(T)) % 16 == 0;
     if (cache_aligned && k_aligned)
-      launch(pipelined ? indexer_k_quant_and_cache_kernel<4, true, T> : indexer_k_quant_and_cache_kernel<1, true, T>);
+      launch(indexer_k_quant_and_cache_kernel<true, T>);
     else
-      launch(pipelined ? indexer_k_quant_and_cache_kernel<4, false, T> : indexer_k_quant_and_cache_kernel<1, false, T>);
+      launch(indexer_k_quant_and_cache_kernel<false, T>);
   });
   check_launch(op);
 }

@@ -2,9 +2,11 @@
 // gather (dequantize each sequence's cached tokens into contiguous rows).
 //
 // Store: one thread owns one 16-element group of one (token, head) for both K and V; it issues its four
-// 16-byte activation loads before it waits for the token's slot, so the two latencies overlap. Gather: one
-// thread owns half a group (8 outputs, one 16-byte store, so a warp's stores are contiguous) of ROWS rows
-// of one head, K and V; it finds the rows' sequences once, then loads all their codes before decoding.
+// 16-byte activation loads before it waits for the token's slot, so the two latencies overlap. (Four
+// tokens a thread, software-pipelined, measured slower on the H200: 88 registers cut the occupancy.)
+// Gather: one thread owns half a group (8 outputs, one 16-byte store, so a warp's stores are contiguous)
+// of ROWS rows of one head, K and V; it finds the rows' sequences once, then loads all their codes before
+// decoding.
 // Blocks are (groups, heads, tokens) for the store and (2 x groups, heads, row sets) for the gather.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -67,48 +69,33 @@ __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float g
   *scale = sf;
 }
 
-// Each thread quantizes its group for TOKENS tokens (first + u * blockDim.z), software-pipelined: token u+1's
-// activations and slot load while token u is quantized, so the loads' latency hides behind the arithmetic.
-// Large stores use TOKENS = 4; a decode step (a few hundred tokens) TOKENS = 1, to spread over every SM.
-template <int TOKENS, bool kVector, typename T>
+template <bool kVector, typename T>
 __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_kernel(
     const T* __restrict__ key, const T* __restrict__ value, int64_t key_token_stride, int64_t key_head_stride,
     int64_t value_token_stride, int64_t value_head_stride, uint8_t* __restrict__ key_cache,
     uint8_t* __restrict__ value_cache, int64_t block_stride, int64_t num_blocks,
     const int64_t* __restrict__ slot_mapping, int64_t num_tokens, const float* __restrict__ k_scale,
     const float* __restrict__ v_scale, NVFP4PageLayout layout) {
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.z * TOKENS + threadIdx.z;
-  if (first >= num_tokens) return;
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.z + threadIdx.z;
+  if (token >= num_tokens) return;
+  const int64_t slot = __ldg(slot_mapping + token);
   const float kg = __ldg(k_scale), vg = __ldg(v_scale);
-  const float inv_kg = 1.0f / kg, inv_vg = 1.0f / vg;
-  const int64_t num_slots = num_blocks * layout.block_size;
   const int g = threadIdx.x;
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
-    Elements<GROUP, T> k_next, v_next;
-    int64_t slot_next = -1;
-    auto fetch = [&](int64_t token) {
-      k_next = load_elements<GROUP, kVector>(key + token * key_token_stride + head * key_head_stride + g * GROUP);
-      v_next = load_elements<GROUP, kVector>(value + token * value_token_stride + head * value_head_stride + g * GROUP);
-      slot_next = __ldg(slot_mapping + token);
-    };
-    fetch(first);
-#pragma unroll 1
-    for (int u = 0; u < TOKENS; ++u) {
-      const Elements<GROUP, T> k = k_next, v = v_next;
-      const int64_t slot = slot_next;
-      if (u + 1 < TOKENS && first + (u + 1) * blockDim.z < num_tokens) fetch(first + (u + 1) * blockDim.z);
-      if (first + u * blockDim.z >= num_tokens) break;
-      // A negative slot is a padding token; a slot past the cache is skipped too (checking it on the host
-      // would need a sync; the CPU op raises).
-      if (slot < 0 || slot >= num_slots) continue;
-      const int64_t block = slot / layout.block_size, offset = slot - block * layout.block_size;
-      uint8_t* k_side = key_cache + block * block_stride;
-      uint8_t* v_side = value_cache + block * block_stride;
-      const int64_t data = layout.data_offset(offset, head) + g * (GROUP / 2);
-      store_group<kVector>(k, kg, inv_kg, k_side + data, k_side + layout.scale_offset(offset, head, g, false));
-      store_group<kVector>(v, vg, inv_vg, v_side + data,
-                           v_side + layout.scale_offset(offset, head, g, layout.swizzle_v_scales));
-    }
+    // Loaded while the slot is still in flight.
+    const auto k = load_elements<GROUP, kVector>(key + token * key_token_stride + head * key_head_stride + g * GROUP);
+    const auto v =
+        load_elements<GROUP, kVector>(value + token * value_token_stride + head * value_head_stride + g * GROUP);
+    // A negative slot is a padding token; a slot past the cache is skipped too (checking it on the host
+    // would need a sync; the CPU op raises).
+    if (slot < 0 || slot >= num_blocks * layout.block_size) return;
+    const int64_t block = slot / layout.block_size, offset = slot - block * layout.block_size;
+    uint8_t* k_side = key_cache + block * block_stride;
+    uint8_t* v_side = value_cache + block * block_stride;
+    const int64_t data = layout.data_offset(offset, head) + g * (GROUP / 2);
+    store_group<kVector>(k, kg, 1.0f / kg, k_side + data, k_side + layout.scale_offset(offset, head, g, false));
+    store_group<kVector>(v, vg, 1.0f / vg, v_side + data,
+                         v_side + layout.scale_offset(offset, head, g, layout.swizzle_v_scales));
   }
 }
 
@@ -223,11 +210,7 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
   check_head_size(op, layout);
   const dim3 block = block_shape(layout, 1);
-  // Four tokens a thread once there are enough tokens to fill every SM (2048 threads each) eight times over.
-  const int64_t threads_per_token = static_cast<int64_t>(block.x) * block.y;
-  const bool pipelined = num_tokens * threads_per_token >= 8LL * 2048 * sm_count(key_cache);
-  const int64_t tokens_per_block = static_cast<int64_t>(block.z) * (pipelined ? 4 : 1);
-  const dim3 grid(static_cast<unsigned>((num_tokens + tokens_per_block - 1) / tokens_per_block));
+  const dim3 grid(static_cast<unsigned>((num_tokens + block.z - 1) / block.z));
   const cudaStream_t stream = current_stream(key_cache);
   dispatch_float_types(op, key.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -242,9 +225,9 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
     const bool vector =
         activations_aligned<T>(key) && activations_aligned<T>(value) && cache_aligned(key_cache, value_cache);
     if (vector)
-      launch(pipelined ? reshape_and_cache_nvfp4_kernel<4, true, T> : reshape_and_cache_nvfp4_kernel<1, true, T>);
+      launch(reshape_and_cache_nvfp4_kernel<true, T>);
     else
-      launch(pipelined ? reshape_and_cache_nvfp4_kernel<4, false, T> : reshape_and_cache_nvfp4_kernel<1, false, T>);
+      launch(reshape_and_cache_nvfp4_kernel<false, T>);
   });
   check_launch(op);
 }
