@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import os
 import platform
 import statistics
@@ -167,6 +168,9 @@ def main():
     block = (f"### {args.device} · commit {commit} · {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
              f"{device_name(args.device)}; load average {load}; median of {args.repeats}."
              f"{' ' + args.note if args.note else ''}\n\n{table(rows)}\n")
+    if args.device == "cuda":  # the target shapes, beside a copy and (when installed) FlashInfer's writer
+        import bench_ops_cuda
+        block += "\n" + bench_ops_cuda.report(importlib.util.find_spec("flashinfer") is not None, False) + "\n"
     print(block)
     if args.append:
         with open(args.append, "a") as f:

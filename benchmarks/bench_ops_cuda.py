@@ -1,4 +1,7 @@
-"""CUDA timings of the four ops on one GPU, beside a same-run copy and FlashInfer's NVFP4 writer.
+"""CUDA timings of the four ops at the issue's target shapes, beside a same-run copy and FlashInfer's writer.
+
+`python benchmarks/bench_ops.py --device cuda` appends this report to its own table; alone:
+`python benchmarks/bench_ops_cuda.py [--flashinfer] [--reference] [--out FILE]`.
 
 Shapes are the issue's targets (bf16, head 128, 8 KV heads, NVFP4 page 16, indexer block 64). Each op is
 captured in a CUDA graph of several calls and the graph replayed; the median replay time per call is
@@ -249,6 +252,34 @@ def run_once_each():
     torch.cuda.synchronize()
 
 
+def report(with_flashinfer: bool, with_reference: bool) -> str:
+    """The markdown table of every target shape (and, with FlashInfer, the writers' byte comparison)."""
+    flashinfer = None
+    if with_flashinfer:
+        import flashinfer
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(DEVICE)
+    header = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}"
+    print(header)
+    results = Results()
+    copy_tbs = bench_copy(results)
+    bench_store(results, flashinfer, 262144, 262144, with_reference=with_reference)
+    bench_store(results, flashinfer, 262144, 262144, whole_blocks=True)
+    bench_store(results, None, 262144, 262144, hnd=True)
+    bench_store(results, flashinfer, 256, 262144)
+    bench_gather(results, 16, 65536)
+    bench_gather(results, 128, 8192)
+    for fmt in ("ue8m0", ""):
+        bench_indexer_store(results, 262144, fmt, with_reference=with_reference and fmt == "")
+    bench_indexer_gather(results, 16, 65536)
+    bench_indexer_gather(results, 128, 8192)
+    text = header + "\n\n" + results.table(copy_tbs)
+    if flashinfer is not None:
+        text += "\n\nFlashInfer's writer vs the plugin's on the same inputs (NHD, linear V scales):\n"
+        text += compare_with_flashinfer(flashinfer)
+    return text
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--once", action="store_true", help="run each op once (for a profiler) and exit")
@@ -258,29 +289,7 @@ def main():
     args = parser.parse_args()
     if args.once:
         return run_once_each()
-    flashinfer = None
-    if args.flashinfer:
-        import flashinfer
-    torch.manual_seed(0)
-    props = torch.cuda.get_device_properties(DEVICE)
-    header = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}"
-    print(header)
-    results = Results()
-    copy_tbs = bench_copy(results)
-    bench_store(results, flashinfer, 262144, 262144, with_reference=args.reference)
-    bench_store(results, flashinfer, 262144, 262144, whole_blocks=True)
-    bench_store(results, None, 262144, 262144, hnd=True)
-    bench_store(results, flashinfer, 256, 262144)
-    bench_gather(results, 16, 65536)
-    bench_gather(results, 128, 8192)
-    for fmt in ("ue8m0", ""):
-        bench_indexer_store(results, 262144, fmt, with_reference=args.reference and fmt == "")
-    bench_indexer_gather(results, 16, 65536)
-    bench_indexer_gather(results, 128, 8192)
-    text = header + "\n\n" + results.table(copy_tbs)
-    if flashinfer is not None:
-        text += "\n\nFlashInfer's writer vs the plugin's on the same inputs (NHD, linear V scales):\n"
-        text += compare_with_flashinfer(flashinfer)
+    text = report(args.flashinfer, args.reference)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
