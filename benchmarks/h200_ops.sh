@@ -67,7 +67,7 @@ if has tests && ! grep -q " passed" "$OUT/test_bad_inputs.log"; then  # a crash:
   step bad_inputs_backtrace 90 cuda-gdb -q -batch -ex run -ex "bt 30" --args python3 -m pytest -x -q -m gpu \
     -p no:cacheprovider tests/test_bad_inputs.py
 fi
-has bench && step bench 200 python3 benchmarks/bench_ops_cuda.py --flashinfer --reference --out "$OUT/bench.md"
+has bench && step bench 200 python3 benchmarks/bench_ops.py --device cuda --append "$OUT/bench.md"
 has doctor && step doctor 90 python3 -m vllm_nvfp4_plugin.doctor
 # One cudaMalloc per tensor, so memcheck sees the end of every tensor rather than of a cached pool.
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
