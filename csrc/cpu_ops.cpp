@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -42,13 +43,6 @@ uint8_t* bytes_of(const Tensor& t) { return static_cast<uint8_t*>(t.mutable_data
 
 float global_scale(const Tensor& scale) { return *scale.const_data_ptr<float>(); }
 
-// Row kernels are compiled for AVX-512, AVX2 and baseline x86-64, picked at load time; they are plain
-// loops over 16-element groups that the compiler vectorizes (no fast math, so results stay exact).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define NVFP4_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define NVFP4_CPU_CLONES
-#endif
 #define NVFP4_INLINE inline __attribute__((always_inline))
 
 constexpr int LANES = 16;  // NVFP4 groups (or scales) handled together by one vector
@@ -166,24 +160,76 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
   }
 }
 
-#define NVFP4_DEFINE_ROW_KERNELS(T)                                                                               \
-  NVFP4_CPU_CLONES void store_token(const T* x, int64_t head_stride, const NVFP4PageLayout& layout,              \
-                                    int64_t token, const int64_t* scale_delta, float global, float inv_global,    \
-                                    uint8_t* side) {                                                              \
+// --- instruction-set variants --------------------------------------------------------------------
+// The row kernels are compiled for AVX-512, AVX2 and baseline x86-64 from the same source, and the best one
+// the CPU supports runs. VLLM_NVFP4_CPU_ISA=avx2|baseline caps the choice, so tests can check every variant.
+enum class Isa { Baseline, Avx2, Avx512 };
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define NVFP4_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
+#define NVFP4_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  Isa isa = __builtin_cpu_supports("x86-64-v4") ? Isa::Avx512
+            : __builtin_cpu_supports("x86-64-v3") ? Isa::Avx2
+                                                  : Isa::Baseline;
+  if (const char* cap = std::getenv("VLLM_NVFP4_CPU_ISA")) {
+    const std::string name(cap);
+    STD_TORCH_CHECK(name == "avx512" || name == "avx2" || name == "baseline",
+                    "VLLM_NVFP4_CPU_ISA must be avx512, avx2 or baseline, got \"", name, "\"");
+    const Isa capped = name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Baseline;
+    isa = std::min(isa, capped);
+  }
+  return isa;
+}
+#else
+#define NVFP4_TARGET_AVX512
+#define NVFP4_TARGET_AVX2
+Isa detect_isa() { return Isa::Baseline; }
+#endif
+
+Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+#define NVFP4_ROW_KERNELS(ISA, TARGET)                                                                            \
+  template <typename T>                                                                                           \
+  TARGET void store_token_##ISA(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t token,    \
+                                const int64_t* scale_delta, float global, float inv_global, uint8_t* side) {      \
     store_token_impl(x, head_stride, layout, token, scale_delta, global, inv_global, side);                       \
   }                                                                                                               \
-  NVFP4_CPU_CLONES void load_token(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,             \
-                                   const int64_t* scale_delta, float global, T* out, int64_t head_stride) {      \
+  template <typename T>                                                                                           \
+  TARGET void load_token_##ISA(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,                 \
+                               const int64_t* scale_delta, float global, T* out, int64_t head_stride) {          \
     load_token_impl(side, layout, token, scale_delta, global, out, head_stride);                                  \
   }                                                                                                               \
-  NVFP4_CPU_CLONES void indexer_store_token(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,        \
-                                            int64_t offset, uint8_t* block) {                                     \
+  template <typename T>                                                                                           \
+  TARGET void indexer_store_token_##ISA(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,            \
+                                        int64_t offset, uint8_t* block) {                                         \
     indexer_store_token_impl(x, layout, fmt, offset, block);                                                      \
   }
-NVFP4_DEFINE_ROW_KERNELS(float)
-NVFP4_DEFINE_ROW_KERNELS(c10::Half)
-NVFP4_DEFINE_ROW_KERNELS(c10::BFloat16)
-#undef NVFP4_DEFINE_ROW_KERNELS
+NVFP4_ROW_KERNELS(avx512, NVFP4_TARGET_AVX512)
+NVFP4_ROW_KERNELS(avx2, NVFP4_TARGET_AVX2)
+NVFP4_ROW_KERNELS(baseline, )
+#undef NVFP4_ROW_KERNELS
+
+// The row kernels of element type T for this CPU.
+template <typename T>
+struct RowKernels {
+  decltype(&store_token_baseline<T>) store_token;
+  decltype(&load_token_baseline<T>) load_token;
+  decltype(&indexer_store_token_baseline<T>) indexer_store_token;
+
+  static RowKernels get() {
+    switch (cpu_isa()) {
+      case Isa::Avx512: return {store_token_avx512<T>, load_token_avx512<T>, indexer_store_token_avx512<T>};
+      case Isa::Avx2: return {store_token_avx2<T>, load_token_avx2<T>, indexer_store_token_avx2<T>};
+      default: return {store_token_baseline<T>, load_token_baseline<T>, indexer_store_token_baseline<T>};
+    }
+  }
+};
 
 // Sequence of output row `row`: the b with cu_seq_lens[b] <= row < cu_seq_lens[b + 1].
 int64_t sequence_of(const int32_t* cu_seq_lens, int64_t batch, int64_t row) {
@@ -208,6 +254,7 @@ void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor&
   const std::vector<int64_t> k_deltas = scale_deltas(layout, false), v_deltas = scale_deltas(layout, swizzle_v_scales);
   dispatch_float_types(key.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
+    const auto kernels = RowKernels<T>::get();
     const T* k = static_cast<const T*>(key.const_data_ptr());
     const T* v = static_cast<const T*>(value.const_data_ptr());
 #pragma omp parallel for schedule(static) if (num_tokens * layout.num_heads * layout.head_size >= PARALLEL_MIN_WORK)
@@ -215,9 +262,9 @@ void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor&
       const int64_t slot = slots[i];
       if (slot < 0) continue;  // padding token
       const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
-      store_token(k + i * key_token_stride, key_head_stride, layout, offset, k_deltas.data(), kg, inv_kg,
+      kernels.store_token(k + i * key_token_stride, key_head_stride, layout, offset, k_deltas.data(), kg, inv_kg,
                   k_base + block * block_stride);
-      store_token(v + i * value_token_stride, value_head_stride, layout, offset, v_deltas.data(), vg, inv_vg,
+      kernels.store_token(v + i * value_token_stride, value_head_stride, layout, offset, v_deltas.data(), vg, inv_vg,
                   v_base + block * block_stride);
     }
   });
@@ -241,13 +288,14 @@ void gather_nvfp4_kv_cache_cpu(const Tensor& key_cache, const Tensor& value_cach
     const std::vector<int64_t> deltas = scale_deltas(layout, swizzled);
     dispatch_float_types(out.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
+      const auto kernels = RowKernels<T>::get();
       T* o = static_cast<T*>(out.mutable_data_ptr());
       const int64_t token_stride = out.stride(0), head_stride = out.stride(1);
 #pragma omp parallel for schedule(static) if (num_rows * layout.num_heads * layout.head_size >= PARALLEL_MIN_WORK)
       for (int64_t row = 0; row < num_rows; ++row) {
         const int64_t b = sequence_of(cu, batch, row), p = row - cu[b];
         const uint8_t* side = base + table[b * table_stride + p / layout.block_size] * block_stride;
-        load_token(side, layout, p % layout.block_size, deltas.data(), global, o + row * token_stride, head_stride);
+        kernels.load_token(side, layout, p % layout.block_size, deltas.data(), global, o + row * token_stride, head_stride);
       }
     });
   };
@@ -266,6 +314,7 @@ void indexer_k_quant_and_cache_cpu(const Tensor& k, Tensor& kv_cache, const Tens
   const int64_t block_stride = kv_cache.stride(0), token_stride = k.stride(0);
   dispatch_float_types(k.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
+    const auto kernels = RowKernels<T>::get();
     const T* x_base = static_cast<const T*>(k.const_data_ptr());
 #pragma omp parallel for schedule(static) if (num_tokens * layout.head_dim >= PARALLEL_MIN_WORK)
     for (int64_t i = 0; i < num_tokens; ++i) {
@@ -273,7 +322,7 @@ void indexer_k_quant_and_cache_cpu(const Tensor& k, Tensor& kv_cache, const Tens
       if (slot < 0) continue;
       const int64_t offset = slot % layout.block_size;
       uint8_t* block = cache + slot / layout.block_size * block_stride;
-      indexer_store_token(x_base + i * token_stride, layout, fmt, offset, block);
+      kernels.indexer_store_token(x_base + i * token_stride, layout, fmt, offset, block);
     }
   });
 }

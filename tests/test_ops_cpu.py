@@ -4,6 +4,10 @@ The reference computes every offset with vllm_nvfp4_plugin/layout.py and the ker
 so byte equality over NHD and HND, linear and swizzled V scales, is also the proof that the two agree.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -253,3 +257,46 @@ def opcheck_cases(device):
 def test_opcheck(device, index):
     op, kwargs = opcheck_cases(device)[index]
     torch.library.opcheck(op.default, args=tuple(kwargs.values()))
+
+
+# --- instruction-set variants -------------------------------------------------------------------------
+
+def check_every_op_variant() -> None:
+    """Every op, layout, V-scale order, dtype and scale format once against the reference (run per ISA)."""
+    for seed, (hnd, swizzle, dtype) in enumerate((h, s, d) for h in (False, True) for s in (False, True)
+                                                 for d in FLOAT_DTYPES):
+        case = NVFP4Case(head_size=64 * (1 + seed % 4), num_heads=1 + seed % 3, dtype=dtype, hnd=hnd,
+                         swizzle_v_scales=swizzle, row_pad=16 * (seed % 2), seed=seed)
+        buffer, expected, _ = run_store(case, "cpu")
+        assert torch.equal(buffer, expected), case
+        args, expected = run_gather(case, [37, 0, 50], "cpu")
+        assert torch.equal(bits(args["out_key"]), bits(expected["out_key"])), case
+        assert torch.equal(bits(args["out_value"]), bits(expected["out_value"])), case
+    for seed, scale_fmt in enumerate(["", "ue8m0", "mxfp8"]):
+        for dtype in FLOAT_DTYPES:
+            case = IndexerCase(quant_block_size=(128, 64, 24)[seed] if dtype != torch.float16 else 32,
+                               head_dim=(128, 128, 96)[seed], dtype=dtype, seed=seed)
+            buffer, expected, _ = run_indexer_store(case, scale_fmt, "cpu")
+            assert torch.equal(buffer, expected), (case, scale_fmt)
+
+
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_lower_instruction_sets_match_reference(isa):
+    """The CPU kernels also run as AVX2 and baseline x86-64 code; this CPU picks the best, so force each."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "VLLM_NVFP4_CPU_ISA": isa}
+    subprocess.run([sys.executable, "-c", "import test_ops_cpu; test_ops_cpu.check_every_op_variant()"],
+                   cwd=tests_dir, env=env, check=True, timeout=300)
+
+
+def test_default_instruction_set_matches_reference():
+    check_every_op_variant()
+
+
+def test_unknown_instruction_set_is_rejected():
+    env = {**os.environ, "VLLM_NVFP4_CPU_ISA": "sse9"}
+    code = ("import torch, vllm_nvfp4_plugin.ops as o; from vllm_nvfp4_plugin.layout import NVFP4PageLayout as L; "
+            "c = L(64, 4, 1).allocate(1); x = torch.zeros(1, 1, 64); s = torch.ones(1); "
+            "o.reshape_and_cache_nvfp4(x, x, c[:, 0], c[:, 1], torch.zeros(1, dtype=torch.long), s, s, False)")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "VLLM_NVFP4_CPU_ISA must be avx512, avx2 or baseline" in result.stderr
