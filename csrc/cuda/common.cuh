@@ -150,7 +150,7 @@ __device__ __forceinline__ uint32_t e2m1_pack8(const float (&x)[8]) {
 // --- gathers ------------------------------------------------------------------------------------------
 
 // The sequence b holding output row `row`: the last b < batch with cu_seq_lens[b] <= row (empty sequences
-// before it are skipped). A binary search, so large batches cost log2(batch) cached loads per row.
+// before it are skipped). A binary search: log2(batch) cached loads, not a scan over the batch.
 __device__ __forceinline__ int sequence_of(const int32_t* __restrict__ cu_seq_lens, int batch, int64_t row) {
   int lo = 0, hi = batch - 1;
   while (lo < hi) {
