@@ -2,10 +2,12 @@
 
 import pytest
 import torch
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, KVQuantMode, create_kv_cache_views
 
 from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.attention import store_kv
+from vllm_nvfp4_plugin.backends.common import check_nvfp4_layer, core_metadata
 from vllm_nvfp4_plugin.backends.cpu import NVFP4CPUAttentionBackend
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.spec import HND_LAYOUTS, NHD_LAYOUTS, customize_nvfp4_spec, page_view
@@ -87,3 +89,43 @@ def test_page_view_rejects_other_layouts_and_shapes():
         page_view(head_outer, 2)
     with pytest.raises(ValueError, match="2\\*num_kv_heads"):
         page_view(torch.zeros(4, 3, 32, 36, dtype=torch.uint8), 2)
+
+
+def test_layer_checks_name_what_is_unsupported():
+    check_nvfp4_layer("nvfp4", AttentionType.DECODER, 128, 8, 2)
+    with pytest.raises(NotImplementedError, match="nvfp4_4over6"):
+        check_nvfp4_layer("nvfp4_4over6", AttentionType.DECODER, 128, 8, 2)
+    with pytest.raises(NotImplementedError, match="attn_type"):
+        check_nvfp4_layer("nvfp4", AttentionType.ENCODER_ONLY, 128, 8, 2)
+    with pytest.raises(NotImplementedError, match="sliding window"):
+        check_nvfp4_layer("nvfp4", AttentionType.DECODER, 128, 8, 2, sliding_window=4096)
+    with pytest.raises(ValueError, match="head_size"):
+        check_nvfp4_layer("nvfp4", AttentionType.DECODER, 80, 8, 2)
+
+
+def test_impl_refuses_unsupported_features_and_defers_other_dtypes():
+    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+
+    from vllm_nvfp4_plugin.models import tiny_llama_path
+
+    impl_cls = NVFP4CPUAttentionBackend.get_impl_cls()
+    config = VllmConfig(model_config=ModelConfig(model=str(tiny_llama_path()), dtype="bfloat16"))
+    with set_current_vllm_config(config):
+        with pytest.raises(NotImplementedError, match="soft-cap"):
+            impl_cls(8, 128, 0.1, 2, None, None, "nvfp4", logits_soft_cap=30.0)
+        assert impl_cls(8, 128, 0.1, 2, None, None, "nvfp4").nvfp4
+        bf16 = impl_cls(8, 96, 0.1, 2, None, 4096, "auto", logits_soft_cap=30.0)  # vLLM's own path takes these
+        assert not bf16.nvfp4
+
+
+def test_core_metadata_from_vllm_batch():
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        query_start_loc_cpu=torch.tensor([0, 3, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 9], dtype=torch.int32), num_reqs=2, num_actual_tokens=4, max_query_len=3,
+        max_seq_len=9, block_table_tensor=torch.zeros(2, 4, dtype=torch.int32),
+        slot_mapping=torch.tensor([0, 1, 2, 40, -1, -1]))
+    meta = core_metadata(common)
+    assert meta.slot_mapping.tolist() == [0, 1, 2, 40] and meta.causal and meta.num_query_tokens == 4
+    with pytest.raises(NotImplementedError, match="causal"):
+        core_metadata(common.replace(causal=torch.tensor([True, False])))
