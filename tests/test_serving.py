@@ -1,0 +1,202 @@
+"""`vllm serve` with the plugin and an NVFP4 KV cache answers 32 concurrent completions with the
+same greedy text as the same prompts sent one at a time.
+
+The model is SmolLM2-135M-Instruct (real, not the random tiny model, whose flat logits would make
+every greedy choice a coin toss). The 32 prompts are all different; 16 of them share one of two long
+prefixes (several 32-token blocks each), so shared NVFP4 blocks are read by concurrent requests.
+
+What "same text" can mean here, measured on this machine (fp32 weights, 32 x 16 tokens):
+- Prefill is batch-invariant: every request's first token and its log-probability are bit-identical.
+- Decode is not, by a few ulps: vLLM's oneDNN GEMM rounds the fp32 down_proj differently for one
+  row (a sequential decode) than for several, and batched decode attention pads contexts. NVFP4's
+  coarse grid turns a rare ulp difference into a flipped code, which moves later logits by up to
+  ~0.5 nats, so a close call can go the other way: 2 of 32 texts diverged, each by swapping the two
+  best tokens. With both ulp sources removed by hand (experiment, not shipped), 32 of 32 texts and
+  all log-probabilities were bit-identical, so the cache itself behaves the same under concurrency.
+- bf16 weights are far from batch-invariant (13 of 32 diverge even with vLLM's own bf16 KV: 6 of
+  32), hence float32 here.
+So the test demands: all first tokens identical, at most MAX_DIVERGED texts different, and each
+difference a swap of the two best tokens at a close call, never an unrelated token (a request that
+read another request's blocks, or stale ones, would produce those).
+"""
+
+import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from vllm_nvfp4_plugin.models import smollm2_path
+from vllm_nvfp4_plugin.server import VllmServer
+
+MODEL_NAME = "smollm2"
+MAX_TOKENS = 16
+NUM_REQUESTS = 32
+REQUEST_TIMEOUT_S = 300.0
+BLOCK_SIZE = 32
+MAX_DIVERGED = 4
+
+SHARED_PREFIXES = [
+    "The following is a short encyclopedia entry about rivers. Rivers carry fresh water from "
+    "mountains and hills down to lakes and seas. Along the way they shape valleys, feed farms, "
+    "and give towns a reason to grow on their banks. Some rivers flood every spring, while others "
+    "run dry in summer. Question: ",
+    "Here is a recipe card from a family kitchen. To bake a simple loaf of bread you need flour, "
+    "water, salt and yeast. Mix them, knead the dough for ten minutes, let it rise for an hour, "
+    "shape it, let it rise again, and bake it in a hot oven until the crust is brown. Question: ",
+]
+PREFIX_QUESTIONS = [
+    "What is the main idea?",
+    "Name one thing mentioned above.",
+    "Summarize it in five words.",
+    "Why does this matter?",
+    "What happens first?",
+    "What happens last?",
+    "Who would find this useful?",
+    "Give it a title.",
+]
+STANDALONE_PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "My favorite season of the year is",
+    "A list of fruits: apple, banana,",
+    "The quick brown fox",
+    "In 1969, astronauts landed on",
+    "To make a cup of tea, first",
+    "The largest planet in our solar system is",
+    "Dear friend, I am writing to tell you",
+    "1, 2, 3, 4, 5,",
+    "The opposite of hot is",
+    "Translate to French: good morning ->",
+    "A haiku about the sea:",
+]
+
+
+def make_prompts() -> list[str]:
+    shared = [prefix + question for prefix in SHARED_PREFIXES for question in PREFIX_QUESTIONS]
+    prompts = shared + STANDALONE_PROMPTS
+    assert len(prompts) == NUM_REQUESTS and len(set(prompts)) == NUM_REQUESTS
+    return prompts
+
+
+def complete(client: httpx.Client, prompt: str) -> tuple[list[str], list[dict[str, float]]]:
+    """Greedy tokens of one completion and, per token, the two most likely tokens' log-probabilities."""
+    response = client.post(
+        "/v1/completions",
+        json={
+            "model": MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,  # every answer is exactly MAX_TOKENS long: more text to compare
+            "logprobs": 2,
+        },
+    )
+    response.raise_for_status()
+    logprobs = response.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == MAX_TOKENS
+    return logprobs["tokens"], logprobs["top_logprobs"]
+
+
+def first_difference(a: list[str], b: list[str]) -> int | None:
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def is_top2_swap(token_a: str, top_a: dict[str, float], token_b: str, top_b: dict[str, float]) -> bool:
+    """Each run's pick is the other run's runner-up: the two best tokens traded places."""
+    return set(top_a) == set(top_b) == {token_a, token_b}
+
+
+def metric(client: httpx.Client, name: str) -> float:
+    """One of vLLM's Prometheus metrics (a gauge or counter without extra labels)."""
+    text = client.get("/metrics").text
+    match = re.search(rf"^vllm:{name}\{{[^}}]*\}} (\S+)$", text, re.MULTILINE)
+    assert match, f"vllm:{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def reset_prefix_cache(client: httpx.Client) -> None:
+    response = client.post("/reset_prefix_cache")  # a dev-mode endpoint (VLLM_SERVER_DEV_MODE=1)
+    response.raise_for_status()
+    assert response.json()["success"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("serve") / "vllm_serve.log"
+    args = [
+        "--served-model-name", MODEL_NAME,
+        "--kv-cache-dtype", "nvfp4",
+        "--dtype", "float32",  # see the module docstring
+        "--block-size", str(BLOCK_SIZE),
+        "--max-model-len", "1024",
+        "--max-num-seqs", str(NUM_REQUESTS),
+        "--enable-prefix-caching",
+        "--enforce-eager",
+        "--seed", "0",
+    ]  # fmt: skip
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+    with VllmServer(smollm2_path(), args, env=env, log_path=log_path) as srv:
+        yield srv
+
+
+def test_concurrent_completions_match_sequential(server):
+    prompts = make_prompts()
+    with httpx.Client(base_url=server.base_url, timeout=REQUEST_TIMEOUT_S) as client:
+        hits_before = metric(client, "prefix_cache_hits_total")
+        start = time.monotonic()
+        sequential = [complete(client, p) for p in prompts]
+        sequential_s = time.monotonic() - start
+        sequential_hits = metric(client, "prefix_cache_hits_total") - hits_before
+        # Otherwise the concurrent run would find every prompt already cached by the sequential one.
+        reset_prefix_cache(client)
+
+        peak_running = 0.0
+        done = threading.Event()
+
+        def watch_running() -> None:
+            nonlocal peak_running
+            while not done.wait(0.2):
+                peak_running = max(peak_running, metric(client, "num_requests_running"))
+
+        watcher = threading.Thread(target=watch_running)
+        watcher.start()
+        try:
+            start = time.monotonic()
+            with ThreadPoolExecutor(max_workers=NUM_REQUESTS) as pool:
+                concurrent = list(pool.map(lambda p: complete(client, p), prompts, timeout=REQUEST_TIMEOUT_S))
+            concurrent_s = time.monotonic() - start
+        finally:
+            done.set()
+            watcher.join()
+        concurrent_hits = metric(client, "prefix_cache_hits_total") - hits_before - sequential_hits
+
+    print(
+        f"\n{NUM_REQUESTS} completions x {MAX_TOKENS} tokens: sequential {sequential_s:.1f} s, "
+        f"concurrent {concurrent_s:.1f} s, peak running {peak_running:.0f}; prefix-cache hit tokens: "
+        f"sequential {sequential_hits:.0f}, concurrent {concurrent_hits:.0f}"
+    )
+    # The requests really ran as one batch, not one after another.
+    assert peak_running >= NUM_REQUESTS // 2, f"at most {peak_running:.0f} requests ran at once"
+    assert concurrent_hits > 0, "no request read another request's cached prefix blocks"
+    texts = ["".join(tokens) for tokens, _ in sequential]
+    assert len(set(texts)) == NUM_REQUESTS, "answers barely depend on the prompt"
+
+    diverged = []
+    for i, (prompt, (seq_tokens, seq_top), (con_tokens, con_top)) in enumerate(zip(prompts, sequential, concurrent)):
+        assert con_tokens[0] == seq_tokens[0] and con_top[0] == seq_top[0], f"prefill differs for {prompt!r}"
+        k = first_difference(seq_tokens, con_tokens)
+        if k is None:
+            continue
+        diverged.append(f"prompt {i} token {k}: {seq_tokens[k]!r} / {con_tokens[k]!r}")
+        assert is_top2_swap(seq_tokens[k], seq_top[k], con_tokens[k], con_top[k]), (
+            f"{prompt!r}: token {k} is {seq_tokens[k]!r} (top-2 {seq_top[k]}) sequentially but "
+            f"{con_tokens[k]!r} (top-2 {con_top[k]}) concurrently"
+        )
+    print(f"identical greedy texts: {NUM_REQUESTS - len(diverged)} of {NUM_REQUESTS}; top-2 swaps: {diverged}")
+    assert len(diverged) <= MAX_DIVERGED
