@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # On the lent H200 (repo root; the run tool sets $OUT): build the extension for SM90a and SM100a, run the op
 # tests on CUDA, time the ops beside a copy and FlashInfer's writer, run the doctor, then the op tests under
-# compute-sanitizer (memcheck; racecheck for the gather that uses shared memory). Logs go to $OUT.
+# compute-sanitizer (memcheck; racecheck for the gathers, which use shared memory). Logs go to $OUT.
 # FlashInfer 0.7.0.post1 + apache-tvm-ffi come from the git-ignored .whl/ (carried).
 # SKIP_BUILD=1 reuses an extension already built there; STEPS picks steps (default: all); every step ends
-# before DEADLINE seconds (the run tool's limit is 600).
+# before DEADLINE seconds (the run tool's limit is 600). ARCHS sets TORCH_CUDA_ARCH_LIST (default "9.0a;10.0a").
+# OVERLAY="path ..." copies those paths of the working copy over the committed tree: trying a change before
+# committing it.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-out}")
-STEPS=${STEPS:-"build cuda_tests tests bench doctor memcheck memcheck_large racecheck ncu"}
+STEPS=${STEPS:-"build cuda_tests tests bad_inputs bench doctor memcheck memcheck_large racecheck ncu"}
 DEADLINE=${DEADLINE:-580}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 # Build and test the committed tree (HEAD), not whatever else sits uncommitted in the working copy.
 if git rev-parse --verify -q HEAD > /dev/null; then
   echo "commit $(git rev-parse --short HEAD); uncommitted changes left out: $(git status --short | wc -l)" | tee "$OUT/summary.txt"
-  rm -rf /tmp/clean && mkdir /tmp/clean && git archive HEAD | tar -x -C /tmp/clean && cd /tmp/clean
+  rm -rf /tmp/clean && mkdir /tmp/clean && git archive HEAD | tar -x -C /tmp/clean
+  for path in ${OVERLAY:-}; do cp -r "$path" "/tmp/clean/$(dirname "$path")/" && echo "overlaid: $path" | tee -a "$OUT/summary.txt"; done
+  cd /tmp/clean
 fi
 export PYTHONPATH=/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -52,7 +56,7 @@ print("flashinfer warm")
 PY
 warmup=$!
 if has build && [ -z "${SKIP_BUILD:-}" ]; then
-  TORCH_CUDA_ARCH_LIST="9.0a;10.0a" MAX_JOBS=16 step build 300 \
+  TORCH_CUDA_ARCH_LIST="${ARCHS:-9.0a;10.0a}" MAX_JOBS=16 step build 300 \
     python3 -m pip install -v --no-build-isolation --no-deps -e .
   grep -o "sm_100a" "$OUT/build.log" | head -1
 fi
@@ -62,21 +66,21 @@ wait $warmup || tail -20 "$OUT/flashinfer_warmup.log"
 # CPU cases too: whether an op's error reaches Python on this machine's torch at all.
 has cuda_tests && step test_ops_cuda 120 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/test_ops_cuda.py
 has tests && step test_ops_cpu 150 python3 -X faulthandler -m pytest -v -m gpu -p no:cacheprovider tests/test_ops_cpu.py
-has tests && step test_bad_inputs 90 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/test_bad_inputs.py
-if has tests && ! grep -q " passed" "$OUT/test_bad_inputs.log"; then  # a crash: where, natively
+has bad_inputs && step test_bad_inputs 90 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/test_bad_inputs.py
+if has bad_inputs && ! grep -q " passed" "$OUT/test_bad_inputs.log"; then  # a crash: where, natively
   step bad_inputs_backtrace 90 cuda-gdb -q -batch -ex run -ex "bt 30" --args python3 -m pytest -x -q -m gpu \
     -p no:cacheprovider tests/test_bad_inputs.py
 fi
 has bench && step bench 200 python3 benchmarks/bench_ops.py --device cuda --append "$OUT/bench.md"
 has doctor && step doctor 90 python3 -m vllm_nvfp4_plugin.doctor
+has racecheck && step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 \
+  python3 -m pytest -q -m gpu -p no:cacheprovider -k "gather and not opcheck" tests/test_ops_cpu.py
 # One cudaMalloc per tensor, so memcheck sees the end of every tensor rather than of a cached pool.
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 has memcheck && step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "not opcheck" tests/test_ops_cpu.py
 has memcheck_large && step memcheck_large 120 compute-sanitizer --tool memcheck --error-exitcode 1 \
   python3 -m pytest -q -p no:cacheprovider tests/test_ops_cuda.py
-has racecheck && step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 \
-  python3 -m pytest -q -m gpu -p no:cacheprovider -k "gather and not indexer and not opcheck" tests/test_ops_cpu.py
 has ncu && step ncu 150 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
   --section MemoryWorkloadAnalysis -k "regex:reshape|gather|indexer" python3 benchmarks/bench_ops_cuda.py --once
 # The run tool brings back at most 8 files: the logs travel as one archive.

@@ -140,10 +140,18 @@ __device__ __forceinline__ uint32_t e2m1_pack8(const float (&x)[8]) {
       : "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3]), "f"(x[4]), "f"(x[5]), "f"(x[6]), "f"(x[7]));
   return packed;
 #else
+  // Each funnel shift moves one magnitude code (low nibble, bit 3 clear) in at the top: after eight, x[i]'s is
+  // nibble i. The signs follow in bulk: byte j of `odd`/`even` is the top byte of x[2j+1]/x[2j], whose bit 7 is
+  // the sign; they land on bits 8j+7 and 8j+3, the sign bits of nibbles 2j+1 and 2j.
   uint32_t packed = 0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) packed |= e2m1_code(x[i]) << (4 * i);
-  return packed;
+  for (int i = 0; i < 8; ++i) packed = __funnelshift_r(packed, e2m1_magnitude_bits(x[i]), 4);
+  uint32_t bits[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) bits[i] = __float_as_uint(x[i]);
+  const uint32_t odd = __byte_perm(__byte_perm(bits[1], bits[3], 0x0073), __byte_perm(bits[5], bits[7], 0x7300), 0x7610);
+  const uint32_t even = __byte_perm(__byte_perm(bits[0], bits[2], 0x0073), __byte_perm(bits[4], bits[6], 0x7300), 0x7610);
+  return packed | (odd & 0x80808080u) | ((even >> 4) & 0x08080808u);
 #endif
 }
 
@@ -158,6 +166,40 @@ __device__ __forceinline__ int sequence_of(const int32_t* __restrict__ cu_seq_le
     if (__ldg(cu_seq_lens + mid) <= row) lo = mid; else hi = mid - 1;
   }
   return lo;
+}
+
+// Where a gathered row comes from: its cache block's byte offset (-1: nothing to gather) and its token offset
+// inside the block.
+struct RowSource {
+  int64_t block_byte;
+  int offset;
+};
+
+// Fills rows[r] for the CTA's `count` output rows from `first`, one row a thread, then syncs the CTA: every
+// thread that copies a row reads it here instead of searching cu_seq_lens and the block table itself.
+// Rows past cu_seq_lens[batch] stay untouched, and their (garbage) block-table entries unread; a block outside
+// the cache is skipped too (the CPU op raises).
+__device__ __forceinline__ void find_row_sources(RowSource* rows, int count, int64_t first,
+                                                 const int32_t* __restrict__ cu_seq_lens, int batch,
+                                                 const int32_t* __restrict__ block_table, int64_t table_stride,
+                                                 int block_size, int64_t num_blocks, int64_t block_stride,
+                                                 int64_t num_rows) {
+  const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+  const int threads = blockDim.x * blockDim.y * blockDim.z;
+  const int64_t rows_end = min(num_rows, static_cast<int64_t>(__ldg(cu_seq_lens + batch)));
+  for (int r = tid; r < count; r += threads) {
+    const int64_t row = first + r;
+    RowSource source{-1, 0};
+    if (row < rows_end) {
+      const int b = sequence_of(cu_seq_lens, batch, row);
+      const int pos = static_cast<int>(row - __ldg(cu_seq_lens + b));
+      const int64_t block = __ldg(block_table + b * table_stride + pos / block_size);
+      source.offset = pos % block_size;
+      if (block >= 0 && block < num_blocks) source.block_byte = block * block_stride;
+    }
+    rows[r] = source;
+  }
+  __syncthreads();
 }
 
 }  // namespace vllm_nvfp4::cuda

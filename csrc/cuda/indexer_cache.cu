@@ -20,6 +20,7 @@ namespace {
 
 constexpr int THREADS = 256;
 constexpr int ELEMS = 8;  // elements of k per store thread
+constexpr int TOKENS = 2;  // tokens per store thread
 constexpr int CHUNK = 16;  // value bytes per gather thread
 constexpr float E4M3_MAX = 448.0f;
 
@@ -63,7 +64,9 @@ __device__ __forceinline__ void store_token(const Elements<ELEMS, T>& x, int64_t
   for (int i = 0; i < ELEMS; ++i) q[i] = power_of_two ? v[i] * inv_scale : v[i] / scale;
   const uint32_t lo = e4m3_pair(q[0], q[1]) | (e4m3_pair(q[2], q[3]) << 16);
   const uint32_t hi = e4m3_pair(q[4], q[5]) | (e4m3_pair(q[6], q[7]) << 16);
-  const int64_t block = slot / layout.block_size, offset = slot - block * layout.block_size;
+  // 32-bit: a cache on one GPU has fewer than 2^32 slots (each takes at least 8 bytes).
+  const uint32_t slot32 = static_cast<uint32_t>(slot), block_size = static_cast<uint32_t>(layout.block_size);
+  const uint32_t block = slot32 / block_size, offset = slot32 - block * block_size;
   uint8_t* base = kv_cache + block * block_stride;
   uint8_t* values = base + layout.value_offset(offset) + chunk * ELEMS;
   const int64_t j = chunk * ELEMS / layout.quant_block_size;
@@ -83,21 +86,31 @@ __global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
     const T* __restrict__ k, int64_t k_row_stride, uint8_t* __restrict__ kv_cache, int64_t block_stride,
     int64_t num_blocks, const int64_t* __restrict__ slot_mapping, int64_t num_tokens, IndexerCacheLayout layout,
     ScaleFormat fmt) {
-  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
-  const int chunk = threadIdx.x;  // elements [chunk * 8, chunk * 8 + 8) of the token
+  // This thread's tokens: threadIdx.y + t * blockDim.y of the CTA's TOKENS * blockDim.y.
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y * TOKENS + threadIdx.y;
+  const int chunk = threadIdx.x;  // elements [chunk * 8, chunk * 8 + 8) of each token
   // The block (chunks x rows threads) may end in a partial warp: shuffle among the lanes that exist. A quant
   // block's lanes are adjacent and never straddle warps. No lane returns early: all join the shuffles.
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, warp_start = tid & ~(WARP - 1);
   const int lanes_here = min(WARP, static_cast<int>(blockDim.x * blockDim.y) - warp_start);
   const unsigned warp_lanes = lanes_here == WARP ? 0xFFFFFFFFu : (1u << lanes_here) - 1;
-  Elements<ELEMS, T> x = {};
-  int64_t slot = -1;
-  if (token < num_tokens) {  // the activations load while the slot is still in flight
-    slot = __ldg(slot_mapping + token);
-    x = load_elements<ELEMS, kVector>(k + token * k_row_stride + chunk * ELEMS);
+  Elements<ELEMS, T> x[TOKENS];
+  int64_t slots[TOKENS];
+#pragma unroll
+  for (int t = 0; t < TOKENS; ++t) {  // every token's loads in flight before any is quantized
+    const int64_t token = first + t * blockDim.y;
+    x[t] = {};
+    slots[t] = -1;
+    if (token < num_tokens) {
+      slots[t] = __ldg(slot_mapping + token);
+      x[t] = load_elements<ELEMS, kVector>(k + token * k_row_stride + chunk * ELEMS);
+    }
   }
-  const bool active = slot >= 0 && slot < num_blocks * layout.block_size;
-  store_token<kVector>(x, slot, active, chunk, warp_lanes, kv_cache, block_stride, layout, fmt);
+#pragma unroll
+  for (int t = 0; t < TOKENS; ++t) {
+    const bool active = slots[t] >= 0 && slots[t] < num_blocks * layout.block_size;
+    store_token<kVector>(x[t], slots[t], active, chunk, warp_lanes, kv_cache, block_stride, layout, fmt);
+  }
 }
 
 constexpr int ROWS = 8;  // rows per gather thread
@@ -120,25 +133,19 @@ __global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kerne
     int64_t k_row_stride, uint8_t* __restrict__ dst_scale, int64_t scale_row_stride,
     const int32_t* __restrict__ block_table, int64_t table_stride, const int32_t* __restrict__ cu_seq_lens,
     int batch, IndexerCacheLayout layout, int64_t num_rows) {
-  // Rows past cu_seq_lens[batch] stay untouched, and their (garbage) block-table entries unread.
-  const int64_t rows_end = min(num_rows, static_cast<int64_t>(__ldg(cu_seq_lens + batch)));
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y * ROWS + threadIdx.y;
-  if (first >= rows_end) return;
-  // This thread's rows: first + u * blockDim.y (a warp's lanes cover consecutive rows). They only grow, so
-  // one binary search finds the first row's sequence and the others step forward from it.
+  extern __shared__ RowSource rows[];  // this CTA's blockDim.y * ROWS rows
+  const int rows_here = blockDim.y * ROWS;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * rows_here;
+  find_row_sources(rows, rows_here, first, cu_seq_lens, batch, block_table, table_stride,
+                   static_cast<int>(layout.block_size), num_blocks, block_stride, num_rows);
+  // This thread's rows: threadIdx.y + u * blockDim.y of the CTA's (a warp's lanes cover consecutive rows).
   int64_t bases[ROWS];  // byte offset of the row's block in the cache, or -1: nothing to gather
   int offsets[ROWS];    // the row's token offset inside its block
-  int b = sequence_of(cu_seq_lens, batch, first);
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) {
-    const int64_t row = first + u * blockDim.y;
-    bases[u] = -1;
-    if (row >= rows_end) continue;
-    while (__ldg(cu_seq_lens + b + 1) <= row) ++b;
-    const int pos = static_cast<int>(row - __ldg(cu_seq_lens + b));
-    const int64_t block = __ldg(block_table + b * table_stride + pos / layout.block_size);
-    offsets[u] = pos % static_cast<int>(layout.block_size);
-    if (block >= 0 && block < num_blocks) bases[u] = block * block_stride;  // else: the CPU op raises
+    const RowSource source = rows[threadIdx.y + u * blockDim.y];
+    bases[u] = source.block_byte;
+    offsets[u] = source.offset;
   }
   if constexpr (kVector) {
     if (layout.head_dim == blockDim.x * CHUNK && layout.scale_bytes() == 4) {
@@ -155,7 +162,7 @@ __global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kerne
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
         if (bases[u] < 0) continue;
-        const int64_t row = first + u * blockDim.y;
+        const int64_t row = first + threadIdx.y + u * blockDim.y;
         reinterpret_cast<uint4*>(dst_k + row * k_row_stride)[threadIdx.x] = chunk[u];
         if (threadIdx.x == 0) *reinterpret_cast<uint32_t*>(dst_scale + row * scale_row_stride) = scale[u];
       }
@@ -165,7 +172,7 @@ __global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kerne
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) {
     if (bases[u] < 0) continue;
-    const int64_t row = first + u * blockDim.y;
+    const int64_t row = first + threadIdx.y + u * blockDim.y;
     const uint8_t* base = kv_cache + bases[u];
     copy_part<kVector>(base + layout.value_offset(offsets[u]), dst_k + row * k_row_stride, layout.head_dim,
                        threadIdx.x, blockDim.x);
@@ -190,7 +197,8 @@ void indexer_k_quant_and_cache_cuda(const Tensor& k, Tensor& kv_cache, const Ten
   STD_TORCH_CHECK(chunks <= THREADS, op, ": k: head_dim ", layout.head_dim, " is above the CUDA kernel's ",
                   THREADS * ELEMS);
   const dim3 block(chunks, THREADS / chunks);
-  const dim3 grid(static_cast<unsigned>((num_tokens + block.y - 1) / block.y));
+  const int64_t tokens_per_block = static_cast<int64_t>(block.y) * TOKENS;
+  const dim3 grid(static_cast<unsigned>((num_tokens + tokens_per_block - 1) / tokens_per_block));
   const cudaStream_t stream = current_stream(kv_cache);
   const bool cache_aligned = aligned(kv_cache.const_data_ptr(), 8) && kv_cache.stride(0) % 8 == 0;
   dispatch_float_types(op, k.scalar_type(), [&](auto tag) {
@@ -231,7 +239,7 @@ void cp_gather_indexer_k_quant_cache_cuda(const Tensor& kv_cache, Tensor& dst_k,
   const dim3 grid(static_cast<unsigned>((num_rows + rows_per_block - 1) / rows_per_block));
   const cudaStream_t stream = current_stream(kv_cache);
   auto launch = [&](auto kernel) {
-    kernel<<<grid, block, 0, stream>>>(
+    kernel<<<grid, block, rows_per_block * sizeof(RowSource), stream>>>(
         static_cast<const uint8_t*>(kv_cache.const_data_ptr()), kv_cache.stride(0), kv_cache.size(0),
         static_cast<uint8_t*>(dst_k.mutable_data_ptr()), k_row_stride,
         static_cast<uint8_t*>(dst_scale.mutable_data_ptr()), scale_row_stride, block_table.const_data_ptr<int32_t>(),

@@ -12,6 +12,7 @@
 #include <torch/csrc/stable/library.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "checks.h"
 #include "common.cuh"
@@ -36,18 +37,65 @@ void check_head_size(const char* op, const NVFP4PageLayout& layout) {
                   " is above the CUDA kernels' ", THREADS * NVFP4_GROUP / 2);
 }
 
+// Byte offsets inside one block side of a head's entries and of one group's scales, as 32-bit affine functions
+// of the token offset, set up once a thread so that the per-row work is a multiply-add. The formulas are
+// layout.h's (entry_index, data_offset, scale_offset) regrouped: an entry is token * token_step + head *
+// head_step; swizzled V scales move in steps of 4 tokens like the others and by 1 inside such a step.
+struct EntryOffsets {
+  int data, data_step, k_scale, scale_step, v_scale, v_scale_unit;
+
+  __device__ EntryOffsets(const NVFP4PageLayout& layout, int head, int group) {
+    const int block_size = static_cast<int>(layout.block_size), scale_dim = static_cast<int>(layout.scale_dim());
+    const int data_dim = static_cast<int>(layout.data_dim()), region = static_cast<int>(layout.data_region_bytes());
+    const int token_step = layout.hnd ? 1 : static_cast<int>(layout.num_heads);
+    const int head_entry = head * (layout.hnd ? block_size : 1);
+    data = head_entry * data_dim + group * (GROUP / 2);
+    data_step = token_step * data_dim;
+    k_scale = region + head_entry * scale_dim + group;
+    scale_step = token_step * scale_dim;
+    if (layout.swizzle_v_scales) {  // group s of token t sits at token (t / 4) * 4 + s / quarter, scale (s % quarter) * 4 + t % 4
+      const unsigned quarter = static_cast<unsigned>(scale_dim) / 4, s = static_cast<unsigned>(group);
+      v_scale = region + (static_cast<int>(s / quarter) * token_step + head_entry) * scale_dim + static_cast<int>(s % quarter) * 4;
+      v_scale_unit = 1;
+    } else {
+      v_scale = k_scale;
+      v_scale_unit = scale_step;
+    }
+  }
+
+  __device__ int data_at(int token) const { return data + token * data_step; }
+  __device__ int k_scale_at(int token) const { return k_scale + token * scale_step; }
+  __device__ int v_scale_at(int token) const { return v_scale + (token & ~3) * scale_step + (token & 3) * v_scale_unit; }
+};
+
+// max |x| over a group, NaNs skipped as fmaxf skips them. bf16 and fp16 go by pairs: the packed max instructions
+// (three-way on SM90) take half the issue slots of one float max per element.
+template <typename T>
+__device__ __forceinline__ float group_amax(const Elements<GROUP, T>& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(x.x[i]));
+    return amax;
+  } else {
+    using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+    const Pair* pairs = reinterpret_cast<const Pair*>(x.x);
+    Pair amax = __habs2(pairs[0]);
+    amax = __hmax2(amax, __hsub2(amax, amax));  // a NaN pair becomes 0, the start value of the float form
+#pragma unroll
+    for (int i = 1; i < GROUP / 2; ++i) amax = __hmax2(amax, __habs2(pairs[i]));
+    return fmaxf(to_float(amax.x), to_float(amax.y));
+  }
+}
+
 // Quantizes one 16-element group into its 8 code bytes and 1 scale byte (FORMATS.md §1 steps 1-4).
 template <bool kVector, typename T>
 __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float global, float inv_global,
                                             uint8_t* data, uint8_t* scale) {
   float v[GROUP];
-  float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < GROUP; ++i) {
-    v[i] = to_float(x.x[i]);
-    amax = fmaxf(amax, fabsf(v[i]));
-  }
-  const uint8_t sf = e4m3_byte(amax * ONE_SIXTH * inv_global);
+  for (int i = 0; i < GROUP; ++i) v[i] = to_float(x.x[i]);
+  const uint8_t sf = e4m3_byte(group_amax(x) * ONE_SIXTH * inv_global);
   const float sf_value = e4m3_value(sf);
   const float out_scale = sf_value == 0.0f ? 0.0f : 1.0f / (sf_value * global);
   float lo[8], hi[8];
@@ -89,13 +137,14 @@ __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_kernel(
     // A negative slot is a padding token; a slot past the cache is skipped too (checking it on the host
     // would need a sync; the CPU op raises).
     if (slot < 0 || slot >= num_blocks * layout.block_size) return;
-    const int64_t block = slot / layout.block_size, offset = slot - block * layout.block_size;
+    const int64_t block = slot / layout.block_size;
+    const int offset = static_cast<int>(slot - block * layout.block_size);
     uint8_t* k_side = key_cache + block * block_stride;
     uint8_t* v_side = value_cache + block * block_stride;
-    const int64_t data = layout.data_offset(offset, head) + g * (GROUP / 2);
-    store_group<kVector>(k, kg, 1.0f / kg, k_side + data, k_side + layout.scale_offset(offset, head, g, false));
-    store_group<kVector>(v, vg, 1.0f / vg, v_side + data,
-                         v_side + layout.scale_offset(offset, head, g, layout.swizzle_v_scales));
+    const EntryOffsets at(layout, static_cast<int>(head), g);
+    const int data = at.data_at(offset);
+    store_group<kVector>(k, kg, 1.0f / kg, k_side + data, k_side + at.k_scale_at(offset));
+    store_group<kVector>(v, vg, 1.0f / vg, v_side + data, v_side + at.v_scale_at(offset));
   }
 }
 
@@ -128,7 +177,7 @@ __device__ __forceinline__ void store_decoded(uint32_t codes, uint8_t scale, flo
 }
 
 template <bool kVector, typename T>
-__global__ void __launch_bounds__(THREADS) gather_nvfp4_kv_cache_kernel(
+__global__ void __launch_bounds__(THREADS, 8) gather_nvfp4_kv_cache_kernel(
     const uint8_t* __restrict__ key_cache, const uint8_t* __restrict__ value_cache, int64_t block_stride,
     int64_t num_blocks, const int32_t* __restrict__ block_table, int64_t table_stride,
     const int32_t* __restrict__ cu_seq_lens, int batch, const float* __restrict__ k_scale,
@@ -136,33 +185,26 @@ __global__ void __launch_bounds__(THREADS) gather_nvfp4_kv_cache_kernel(
     int64_t key_head_stride, T* __restrict__ out_value, int64_t value_row_stride, int64_t value_head_stride,
     int64_t num_rows) {
   __shared__ float lut[16];
+  extern __shared__ RowSource rows[];  // this CTA's blockDim.z * ROWS rows
   const int tid = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
   if (tid < 16) lut[tid] = E2M1_VALUES[tid];
-  __syncthreads();
-
-  // Rows past cu_seq_lens[batch] stay untouched, and their (garbage) block-table entries unread.
-  const int64_t rows_end = min(num_rows, static_cast<int64_t>(__ldg(cu_seq_lens + batch)));
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.z * ROWS + threadIdx.z;
-  if (first >= rows_end) return;
-  // This thread's rows: first + u * blockDim.z. They only grow, so one binary search finds the first
-  // row's sequence and the others step forward from it.
+  const int rows_here = blockDim.z * ROWS;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * rows_here;
+  find_row_sources(rows, rows_here, first, cu_seq_lens, batch, block_table, table_stride,
+                   static_cast<int>(layout.block_size), num_blocks, block_stride, num_rows);
+  // This thread's rows: threadIdx.z + u * blockDim.z of the CTA's.
   int64_t sides[ROWS];  // byte offset of the row's block side in the caches, or -1: nothing to gather
   int offsets[ROWS];    // the row's token offset inside its block
-  int b = sequence_of(cu_seq_lens, batch, first);
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) {
-    const int64_t row = first + u * blockDim.z;
-    sides[u] = -1;
-    if (row >= rows_end) continue;
-    while (__ldg(cu_seq_lens + b + 1) <= row) ++b;
-    const int pos = static_cast<int>(row - __ldg(cu_seq_lens + b));
-    const int64_t block = __ldg(block_table + b * table_stride + pos / layout.block_size);
-    offsets[u] = pos % static_cast<int>(layout.block_size);
-    if (block >= 0 && block < num_blocks) sides[u] = block * block_stride;  // else: the CPU op raises
+    const RowSource source = rows[threadIdx.z + u * blockDim.z];
+    sides[u] = source.block_byte;
+    offsets[u] = source.offset;
   }
   const int g = threadIdx.x >> 1, half = threadIdx.x & 1;
   const float kg = __ldg(k_scale), vg = __ldg(v_scale);
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
+    const EntryOffsets at(layout, static_cast<int>(head), g);
     uint32_t k_codes[ROWS], v_codes[ROWS];
     uint8_t k_sf[ROWS], v_sf[ROWS];
 #pragma unroll
@@ -170,16 +212,16 @@ __global__ void __launch_bounds__(THREADS) gather_nvfp4_kv_cache_kernel(
       if (sides[u] < 0) continue;
       const uint8_t* k_side = key_cache + sides[u];
       const uint8_t* v_side = value_cache + sides[u];
-      const int64_t data = layout.data_offset(offsets[u], head) + g * (GROUP / 2) + half * 4;
+      const int data = at.data_at(offsets[u]) + half * 4;
       k_codes[u] = load_codes<kVector>(k_side + data);
       v_codes[u] = load_codes<kVector>(v_side + data);
-      k_sf[u] = __ldg(k_side + layout.scale_offset(offsets[u], head, g, false));
-      v_sf[u] = __ldg(v_side + layout.scale_offset(offsets[u], head, g, layout.swizzle_v_scales));
+      k_sf[u] = __ldg(k_side + at.k_scale_at(offsets[u]));
+      v_sf[u] = __ldg(v_side + at.v_scale_at(offsets[u]));
     }
 #pragma unroll
     for (int u = 0; u < ROWS; ++u) {
       if (sides[u] < 0) continue;
-      const int64_t row = first + u * blockDim.z, column = g * GROUP + half * 8;
+      const int64_t row = first + threadIdx.z + u * blockDim.z, column = g * GROUP + half * 8;
       store_decoded<kVector>(k_codes[u], k_sf[u], kg, lut, out_key + row * key_row_stride + head * key_head_stride + column);
       store_decoded<kVector>(v_codes[u], v_sf[u], vg, lut,
                              out_value + row * value_row_stride + head * value_head_stride + column);
@@ -251,7 +293,7 @@ void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cac
   dispatch_float_types(op, out_key.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     auto launch = [&](auto kernel) {
-      kernel<<<grid, block, 0, stream>>>(
+      kernel<<<grid, block, rows_per_block * sizeof(RowSource), stream>>>(
           static_cast<const uint8_t*>(key_cache.const_data_ptr()),
           static_cast<const uint8_t*>(value_cache.const_data_ptr()), key_cache.stride(0), key_cache.size(0),
           block_table.const_data_ptr<int32_t>(), block_table.stride(0), cu_seq_lens.const_data_ptr<int32_t>(),
