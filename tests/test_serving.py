@@ -181,6 +181,8 @@ def test_concurrent_completions_match_sequential(server):
         f"concurrent {concurrent_s:.1f} s, peak running {peak_running:.0f}; prefix-cache hit tokens: "
         f"sequential {sequential_hits:.0f}, concurrent {concurrent_hits:.0f}"
     )
+    # The server's worker built the plugin's NVFP4 attention (stock vLLM refuses nvfp4 on this CPU).
+    assert "NVFP4 KV cache attention on CPU" in server.log_path.read_text()
     # The requests really ran as one batch, not one after another.
     assert peak_running >= NUM_REQUESTS // 2, f"at most {peak_running:.0f} requests ran at once"
     assert concurrent_hits > 0, "no request read another request's cached prefix blocks"
