@@ -5,7 +5,7 @@
 For each op, "bytes" is what the op must read plus write (activations, cache entries, indices); the
 memcpy row copies half that many bytes, so it moves the same total. Sizes are tens of MB, beyond any L2.
 CPU: median wall time of repeated calls. CUDA: each op is captured in a CUDA graph and the median of
-event-timed replays is taken. Another writer can join a table as a peer `Bench` (see `benches`).
+event-timed replays is taken. Op and memcpy runs alternate, so machine load hits both alike. Another writer can join a table as a peer `Bench` (see `benches`).
 """
 
 from __future__ import annotations
@@ -104,15 +104,15 @@ def memcpy_bench(total_bytes: int, device: str) -> Bench:
     return Bench("memcpy", 2 * src.numel(), lambda: torch.bitwise_or(src32, 0, out=dst32))
 
 
-def median_seconds(fn: Callable[[], None], device: str, repeats: int) -> float:
+def timer(fn: Callable[[], None], device: str) -> Callable[[], float]:
+    """A function that runs `fn` once and returns its seconds (CUDA: a replay of `fn` captured in a graph)."""
     fn()  # warm up (and first-touch the outputs)
     if device == "cpu":
-        times = []
-        for _ in range(repeats):
+        def run_cpu() -> float:
             start = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+            return time.perf_counter() - start
+        return run_cpu
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
@@ -120,15 +120,22 @@ def median_seconds(fn: Callable[[], None], device: str, repeats: int) -> float:
         with torch.cuda.graph(graph, stream=stream):
             fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
+
+    def run_cuda() -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+        return start.elapsed_time(end) / 1e3
+    return run_cuda
+
+
+def paired_medians(fn: Callable[[], None], copy: Callable[[], None], device: str, repeats: int):
+    """Median seconds of `fn` and of `copy`, timed alternately so a busy machine slows both alike."""
+    run, run_copy = timer(fn, device), timer(copy, device)
+    pairs = [(run(), run_copy()) for _ in range(repeats)]
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
 
 
 def device_name(device: str) -> str:
@@ -140,11 +147,11 @@ def device_name(device: str) -> str:
 
 
 def measure(device: str, repeats: int) -> list[tuple[Bench, float, float]]:
-    """(bench, GB/s, memcpy GB/s of the same bytes) for every op, memcpy measured right after the op."""
+    """(bench, GB/s, memcpy GB/s of the same bytes) for every op, the memcpy timed alternately with the op."""
     rows = []
     for bench in benches(device):
         copy = memcpy_bench(bench.bytes, device)
-        seconds, copy_seconds = median_seconds(bench.run, device, repeats), median_seconds(copy.run, device, repeats)
+        seconds, copy_seconds = paired_medians(bench.run, copy.run, device, repeats)
         rows.append((bench, bench.bytes / seconds / 1e9, copy.bytes / copy_seconds / 1e9))
         del copy
     return rows
@@ -163,9 +170,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--threads", type=int, help="CPU threads for the ops and the memcpy (default: torch's)")
     parser.add_argument("--append", metavar="RESULTS_MD", help="append a results block to this markdown file")
     parser.add_argument("--note", default="", help="a line on the conditions (machine load, ...) for the block")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # also sets the OpenMP team size the CPU kernels use
     rows = measure(args.device, args.repeats)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"

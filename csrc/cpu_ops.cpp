@@ -6,6 +6,10 @@
 #include <torch/headeronly/util/Exception.h>
 #include <torch/headeronly/util/Half.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -58,12 +62,109 @@ std::vector<int64_t> scale_deltas(const NVFP4PageLayout& layout, bool swizzled) 
   return delta;
 }
 
+// --- instruction-set variants --------------------------------------------------------------------
+// The row kernels are compiled for AVX-512, AVX2 and baseline x86-64 from the same source, and the best one
+// the CPU supports runs. VLLM_NVFP4_CPU_ISA=avx2|baseline caps the choice, so tests can check every variant.
+enum class Isa { Baseline, Avx2, Avx512 };
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define NVFP4_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
+#define NVFP4_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  Isa isa = __builtin_cpu_supports("x86-64-v4") ? Isa::Avx512
+            : __builtin_cpu_supports("x86-64-v3") ? Isa::Avx2
+                                                  : Isa::Baseline;
+  if (const char* cap = std::getenv("VLLM_NVFP4_CPU_ISA")) {
+    const std::string name(cap);
+    STD_TORCH_CHECK(name == "avx512" || name == "avx2" || name == "baseline",
+                    "VLLM_NVFP4_CPU_ISA must be avx512, avx2 or baseline, got \"", name, "\"");
+    const Isa capped = name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Baseline;
+    isa = std::min(isa, capped);
+  }
+  return isa;
+}
+#else
+#define NVFP4_TARGET_AVX512
+#define NVFP4_TARGET_AVX2
+Isa detect_isa() { return Isa::Baseline; }
+#endif
+
+Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+// --- E2M1 encoding of whole groups, per instruction set ------------------------------------------------
+// Encodes `count` groups of 16 float32 values (already scaled by their out_scale) into 8 packed bytes
+// each: quant.h's e2m1_encode and nibble packing. The code of a value is the number of thresholds it
+// passes; as the comparisons' lane masks are nested (passing 1.75 implies passing 0.75), the code's bits
+// are plain mask logic, and PDEP moves lane i's bits to nibble i of the 8 output bytes.
+using EncodeGroups = void (*)(const float (*values)[NVFP4_GROUP], uint8_t* const* out, int count);
+
+void encode_groups_baseline(const float (*values)[NVFP4_GROUP], uint8_t* const* out, int count) {
+  for (int i = 0; i < count; ++i) simd::pack_e2m1(simd::e2m1_encode(simd::load16(values[i])), out[i]);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+// masks[k] has lane i set when |v_i| passes threshold k (> 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5).
+__attribute__((target("bmi2"), always_inline)) inline uint64_t packed_codes(const uint32_t (&m)[7], uint32_t sign) {
+  const uint32_t bit2 = m[3];
+  const uint32_t bit1 = (m[1] & ~m[3]) | m[5];
+  const uint32_t bit0 = (m[0] & ~m[1]) | (m[2] & ~m[3]) | (m[4] & ~m[5]) | m[6];
+  return _pdep_u64(bit0, 0x1111111111111111ull) | _pdep_u64(bit1, 0x2222222222222222ull) |
+         _pdep_u64(bit2, 0x4444444444444444ull) | _pdep_u64(sign, 0x8888888888888888ull);
+}
+
+NVFP4_TARGET_AVX512 void encode_groups_avx512(const float (*values)[NVFP4_GROUP], uint8_t* const* out, int count) {
+  for (int i = 0; i < count; ++i) {
+    const __m512 v = _mm512_loadu_ps(values[i]);
+    const __m512 a = _mm512_abs_ps(v);
+    const uint32_t m[7] = {_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ),
+                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ),
+                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ),
+                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ),
+                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ),
+                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ),
+                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ)};
+    const uint64_t packed = packed_codes(m, _mm512_movepi32_mask(_mm512_castps_si512(v)));
+    std::memcpy(out[i], &packed, sizeof packed);
+  }
+}
+
+// The lane mask of `a op t` over 16 lanes held in two 8-lane halves.
+#define NVFP4_MASK16(lo, hi, t, op) \
+  static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(lo, t, op)) | (_mm256_movemask_ps(_mm256_cmp_ps(hi, t, op)) << 8))
+
+NVFP4_TARGET_AVX2 void encode_groups_avx2(const float (*values)[NVFP4_GROUP], uint8_t* const* out, int count) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  for (int i = 0; i < count; ++i) {
+    const __m256 lo = _mm256_loadu_ps(values[i]), hi = _mm256_loadu_ps(values[i] + 8);
+    const __m256 a_lo = _mm256_and_ps(lo, abs_mask), a_hi = _mm256_and_ps(hi, abs_mask);
+    const uint32_t m[7] = {NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(0.25f), _CMP_GT_OQ),
+                           NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(0.75f), _CMP_GE_OQ),
+                           NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(1.25f), _CMP_GT_OQ),
+                           NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(1.75f), _CMP_GE_OQ),
+                           NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(2.5f), _CMP_GT_OQ),
+                           NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(3.5f), _CMP_GE_OQ),
+                           NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(5.0f), _CMP_GT_OQ)};
+    const uint32_t sign = _mm256_movemask_ps(lo) | (_mm256_movemask_ps(hi) << 8);
+    const uint64_t packed = packed_codes(m, sign);
+    std::memcpy(out[i], &packed, sizeof packed);
+  }
+}
+#undef NVFP4_MASK16
+#endif
+
 // Quantizes the num_heads rows of one token into `side` (one side of one block), FORMATS.md §1. The
 // groups' block scales are computed 16 groups at a time, then each group's codes as one vector.
 template <typename T>
 NVFP4_INLINE void store_token_impl(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t token,
-                                   const int64_t* scale_delta, float global, float inv_global, uint8_t* side) {
+                                   const int64_t* scale_delta, float global, float inv_global, uint8_t* side,
+                                   EncodeGroups encode) {
   alignas(64) uint32_t amax[LANES] = {};
+  alignas(64) float scaled[LANES][NVFP4_GROUP];
   const T* src[LANES];
   uint8_t* data[LANES];
   uint8_t* scale[LANES];
@@ -75,9 +176,10 @@ NVFP4_INLINE void store_token_impl(const T* x, int64_t head_stride, const NVFP4P
     const simd::f32x16 sf_value = simd::e4m3_decode(sf);
     const simd::f32x16 out_scale = sf_value == 0.0f ? simd::f32x16{} : 1.0f / (sf_value * global);
     for (int i = 0; i < lanes; ++i) {
-      simd::pack_e2m1(simd::e2m1_encode(simd::load16(src[i]) * out_scale[i]), data[i]);
+      simd::store16(simd::load16(src[i]) * out_scale[i], scaled[i]);
       *scale[i] = static_cast<uint8_t>(sf[i]);
     }
+    encode(scaled, data, lanes);
     lanes = 0;
   };
   const int64_t r = token % 4, scale_dim = layout.scale_dim();
@@ -133,11 +235,10 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
   const int64_t qbs = layout.quant_block_size, vector_end = qbs - qbs % LANES;
   for (int64_t j = 0; j < layout.num_scales(); ++j) {
     const T* xj = x + j * qbs;
-    simd::u32x16 amax_vector = {};
+    simd::i32x16 amax_vector = {};  // |x| bits, non-negative as int32
     for (int64_t e = 0; e < vector_end; e += LANES)
-      amax_vector = simd::max(amax_vector, simd::as_u32(simd::load16(xj + e)) & 0x7FFFFFFFu);
-    uint32_t amax = 0;
-    for (int i = 0; i < LANES; ++i) amax = std::max(amax, static_cast<uint32_t>(amax_vector[i]));
+      amax_vector = simd::max(amax_vector, __builtin_bit_cast(simd::i32x16, simd::as_u32(simd::load16(xj + e)) & 0x7FFFFFFFu));
+    uint32_t amax = simd::reduce_max(amax_vector)[0];
     for (int64_t e = vector_end; e < qbs; ++e) amax = std::max(amax, float_bits(static_cast<float>(xj[e])) & 0x7FFFFFFFu);
     float scale = std::max(float_from_bits(amax), 1e-4f) / E4M3_MAX;
     int exponent = 0;
@@ -160,45 +261,11 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
   }
 }
 
-// --- instruction-set variants --------------------------------------------------------------------
-// The row kernels are compiled for AVX-512, AVX2 and baseline x86-64 from the same source, and the best one
-// the CPU supports runs. VLLM_NVFP4_CPU_ISA=avx2|baseline caps the choice, so tests can check every variant.
-enum class Isa { Baseline, Avx2, Avx512 };
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define NVFP4_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
-#define NVFP4_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
-
-Isa detect_isa() {
-  __builtin_cpu_init();
-  Isa isa = __builtin_cpu_supports("x86-64-v4") ? Isa::Avx512
-            : __builtin_cpu_supports("x86-64-v3") ? Isa::Avx2
-                                                  : Isa::Baseline;
-  if (const char* cap = std::getenv("VLLM_NVFP4_CPU_ISA")) {
-    const std::string name(cap);
-    STD_TORCH_CHECK(name == "avx512" || name == "avx2" || name == "baseline",
-                    "VLLM_NVFP4_CPU_ISA must be avx512, avx2 or baseline, got \"", name, "\"");
-    const Isa capped = name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Baseline;
-    isa = std::min(isa, capped);
-  }
-  return isa;
-}
-#else
-#define NVFP4_TARGET_AVX512
-#define NVFP4_TARGET_AVX2
-Isa detect_isa() { return Isa::Baseline; }
-#endif
-
-Isa cpu_isa() {
-  static const Isa isa = detect_isa();
-  return isa;
-}
-
 #define NVFP4_ROW_KERNELS(ISA, TARGET)                                                                            \
   template <typename T>                                                                                           \
   TARGET void store_token_##ISA(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t token,    \
                                 const int64_t* scale_delta, float global, float inv_global, uint8_t* side) {      \
-    store_token_impl(x, head_stride, layout, token, scale_delta, global, inv_global, side);                       \
+    store_token_impl(x, head_stride, layout, token, scale_delta, global, inv_global, side, encode_groups_##ISA);   \
   }                                                                                                               \
   template <typename T>                                                                                           \
   TARGET void load_token_##ISA(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,                 \

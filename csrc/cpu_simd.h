@@ -20,6 +20,8 @@ namespace vllm_nvfp4::simd {
 
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -63,14 +65,15 @@ SIMD_INLINE void store16(f32x16 v, c10::Half* p) {
 template <typename V>
 SIMD_INLINE V max(V a, V b) { return a > b ? a : b; }
 
-// Pairwise maxima across lanes; every lane ends up holding the maximum.
-SIMD_INLINE u32x16 reduce_max(u32x16 m) {
+// Pairwise maxima across lanes; every lane ends up holding the maximum. Signed lanes (the values are
+// non-negative) because AVX2 has no unsigned 32-bit compare.
+SIMD_INLINE i32x16 reduce_max(i32x16 m) {
   m = max(m, __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
   m = max(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
   m = max(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
   return max(m, __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
 }
-SIMD_INLINE u16x16 reduce_max(u16x16 m) {
+SIMD_INLINE i16x16 reduce_max(i16x16 m) {
   m = max(m, __builtin_shufflevector(m, m, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
   m = max(m, __builtin_shufflevector(m, m, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
   m = max(m, __builtin_shufflevector(m, m, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
@@ -79,9 +82,11 @@ SIMD_INLINE u16x16 reduce_max(u16x16 m) {
 
 // Float32 bit pattern of max |x| over 16 values: |x| compares like its bits (NaN above inf, as torch's
 // amax keeps NaN). 16-bit inputs are compared in their own format and only the maximum is widened.
-SIMD_INLINE uint32_t amax_bits(const float* p) { return reduce_max(as_u32(load16(p)) & 0x7FFFFFFFu)[0]; }
+SIMD_INLINE uint32_t amax_bits(const float* p) {
+  return reduce_max(__builtin_bit_cast(i32x16, as_u32(load16(p)) & 0x7FFFFFFFu))[0];
+}
 SIMD_INLINE uint16_t max_abs_bits16(const void* p) {
-  u16x16 raw;
+  i16x16 raw;
   std::memcpy(&raw, p, sizeof raw);
   return reduce_max(raw & 0x7FFF)[0];
 }
@@ -142,11 +147,12 @@ SIMD_INLINE u32x16 e4m3_encode(f32x16 x) {
   const u32x16 bits = as_u32(x);
   const u32x16 sign = (bits >> 24) & 0x80u;
   const u32x16 mag = bits & 0x7FFFFFFFu;
+  const i32x16 signed_mag = __builtin_bit_cast(i32x16, mag);  // compared signed: AVX2 has no unsigned compare
   const u32x16 normal = ((mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
   const u32x16 subnormal = as_u32(as_f32(mag) + 16384.0f) - 0x46800000u;  // bits of 2^14
-  u32x16 code = mag < 0x3C800000u ? subnormal : normal;
-  code = mag >= 0x43E00000u ? 0x7Eu : code;
-  code = mag > 0x7F800000u ? 0x7Fu : code;
+  u32x16 code = signed_mag < 0x3C800000 ? subnormal : normal;
+  code = signed_mag >= 0x43E00000 ? 0x7Eu : code;
+  code = signed_mag > 0x7F800000 ? 0x7Fu : code;
   return sign | code;
 }
 
