@@ -20,6 +20,7 @@ difference a swap of the two best tokens at a close call, never an unrelated tok
 read another request's blocks, or stale ones, would produce those).
 """
 
+import os
 import re
 import threading
 import time
@@ -143,6 +144,8 @@ def server(tmp_path_factory):
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
     with VllmServer(smollm2_path(), args, env=env, log_path=log_path) as srv:
         yield srv
+    with pytest.raises(ProcessLookupError):  # stop() left no engine-core or worker process behind
+        os.killpg(srv.process.pid, 0)
 
 
 def test_concurrent_completions_match_sequential(server):
@@ -202,3 +205,14 @@ def test_concurrent_completions_match_sequential(server):
         )
     print(f"identical greedy texts: {NUM_REQUESTS - len(diverged)} of {NUM_REQUESTS}; top-2 swaps: {diverged}")
     assert len(diverged) <= MAX_DIVERGED
+
+
+def test_server_that_exits_reports_its_log(tmp_path):
+    server = VllmServer("unused-model", ["--kv-cache-dtype", "nvfp5"], log_path=tmp_path / "serve.log")
+    with pytest.raises(RuntimeError, match=r"(?s)exited with code 2 before it was ready.*invalid choice: 'nvfp5'"):
+        server.start()
+
+
+def test_server_rejects_a_startup_timeout_that_is_not_positive():
+    with pytest.raises(ValueError, match="startup_timeout_s must be > 0, got 0"):
+        VllmServer("unused-model", startup_timeout_s=0)
