@@ -5,7 +5,8 @@
 For each op, "bytes" is what the op must read plus write (activations, cache entries, indices); the
 memcpy row copies half that many bytes, so it moves the same total. Sizes are tens of MB, beyond any L2.
 CPU: median wall time of repeated calls. CUDA: each op is captured in a CUDA graph and the median of
-event-timed replays is taken. Op and memcpy runs alternate, so machine load hits both alike. Another writer can join a table as a peer `Bench` (see `benches`).
+event-timed replays is taken. Op and memcpy runs alternate, so machine load hits both alike. Another
+writer can join a table as a peer `Bench` (see `benches`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
-// CPU kernels of the four ops: OpenMP over tokens, software E2M1/E4M3 (quant.h), offsets from layout.h.
+// CPU kernels of the four ops: OpenMP over tokens, software E2M1/E4M3 (quant.h and its vector forms in
+// cpu_simd.h), offsets from layout.h, argument checks from checks.h. On x86-64 the per-token row kernels
+// exist as AVX-512, AVX2 and baseline variants; the best the CPU supports runs.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
@@ -6,7 +8,8 @@
 #include <torch/headeronly/util/Exception.h>
 #include <torch/headeronly/util/Half.h>
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && defined(__GNUC__)
+#define NVFP4_X86 1
 #include <immintrin.h>
 #endif
 
@@ -67,7 +70,7 @@ std::vector<int64_t> scale_deltas(const NVFP4PageLayout& layout, bool swizzled) 
 // the CPU supports runs. VLLM_NVFP4_CPU_ISA=avx2|baseline caps the choice, so tests can check every variant.
 enum class Isa { Baseline, Avx2, Avx512 };
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if NVFP4_X86
 #define NVFP4_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
 #define NVFP4_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
 
@@ -86,8 +89,6 @@ Isa detect_isa() {
   return isa;
 }
 #else
-#define NVFP4_TARGET_AVX512
-#define NVFP4_TARGET_AVX2
 Isa detect_isa() { return Isa::Baseline; }
 #endif
 
@@ -107,8 +108,8 @@ void encode_groups_baseline(const float (*values)[NVFP4_GROUP], uint8_t* const* 
   for (int i = 0; i < count; ++i) simd::pack_e2m1(simd::e2m1_encode(simd::load16(values[i])), out[i]);
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-// masks[k] has lane i set when |v_i| passes threshold k (> 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5).
+#if NVFP4_X86
+// m[k] has lane i set when |v_i| passes threshold k (> 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5).
 __attribute__((target("bmi2"), always_inline)) inline uint64_t packed_codes(const uint32_t (&m)[7], uint32_t sign) {
   const uint32_t bit2 = m[3];
   const uint32_t bit1 = (m[1] & ~m[3]) | m[5];
@@ -277,9 +278,11 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
                                         int64_t offset, uint8_t* block) {                                         \
     indexer_store_token_impl(x, layout, fmt, offset, block);                                                      \
   }
+NVFP4_ROW_KERNELS(baseline, )
+#if NVFP4_X86
 NVFP4_ROW_KERNELS(avx512, NVFP4_TARGET_AVX512)
 NVFP4_ROW_KERNELS(avx2, NVFP4_TARGET_AVX2)
-NVFP4_ROW_KERNELS(baseline, )
+#endif
 #undef NVFP4_ROW_KERNELS
 
 // The row kernels of element type T for this CPU.
@@ -290,11 +293,11 @@ struct RowKernels {
   decltype(&indexer_store_token_baseline<T>) indexer_store_token;
 
   static RowKernels get() {
-    switch (cpu_isa()) {
-      case Isa::Avx512: return {store_token_avx512<T>, load_token_avx512<T>, indexer_store_token_avx512<T>};
-      case Isa::Avx2: return {store_token_avx2<T>, load_token_avx2<T>, indexer_store_token_avx2<T>};
-      default: return {store_token_baseline<T>, load_token_baseline<T>, indexer_store_token_baseline<T>};
-    }
+#if NVFP4_X86
+    if (cpu_isa() == Isa::Avx512) return {store_token_avx512<T>, load_token_avx512<T>, indexer_store_token_avx512<T>};
+    if (cpu_isa() == Isa::Avx2) return {store_token_avx2<T>, load_token_avx2<T>, indexer_store_token_avx2<T>};
+#endif
+    return {store_token_baseline<T>, load_token_baseline<T>, indexer_store_token_baseline<T>};
   }
 };
 
