@@ -1,11 +1,11 @@
 // CUDA kernels of the DeepSeek-V3.2 indexer K-cache ops (FORMATS.md §2): the FP8 store and the gather of
 // each sequence's cached keys into contiguous rows.
 //
-// Store: one thread owns 8 elements (one 16-byte bf16 load, one 8-byte FP8 store); the quant block's
-// threads are adjacent lanes of one warp and reduce its amax with shuffles. Gather: one thread copies one
-// 16-byte chunk of the values of ROWS rows (the first chunk's thread also their scales), so a warp moves
-// whole rows with all its loads in flight at once; a binary search over cu_seq_lens finds the sequence of a
-// thread's first row, and its later rows step forward from there.
+// Store: one thread owns 16 elements (8 when the quant block is 8): two 16-byte bf16 loads, two 8-byte FP8
+// stores; the quant block's threads are adjacent lanes of one warp and reduce its amax with shuffles.
+// Gather: one thread copies one 16-byte chunk of the values of ROWS rows (the first chunk's thread also their
+// scales), so a warp moves whole rows with all its loads in flight at once; each row's source (sequence by a
+// binary search over cu_seq_lens, then its block) is found once per CTA, by one thread, into shared memory.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
@@ -19,8 +19,7 @@ namespace vllm_nvfp4::cuda {
 namespace {
 
 constexpr int THREADS = 256;
-constexpr int ELEMS = 8;  // elements of k per store thread
-constexpr int TOKENS = 2;  // tokens per store thread
+constexpr int MIN_ELEMS = 8;  // elements of k per store thread; 16 when the quant block is 16 or more
 constexpr int CHUNK = 16;  // value bytes per gather thread
 constexpr float E4M3_MAX = 448.0f;
 
@@ -37,21 +36,22 @@ __device__ __forceinline__ float quant_scale(float amax, ScaleFormat fmt, uint32
   return __uint_as_float(bits);
 }
 
-// Quantizes one thread's 8 elements of one token and stores them, with the quant block's scale (from the
+// Quantizes one thread's kElems elements of one token and stores them, with the quant block's scale (from the
 // lane whose elements start the block). Every lane calls it: the amax reduction shuffles across the block.
-template <bool kVector, typename T>
-__device__ __forceinline__ void store_token(const Elements<ELEMS, T>& x, int64_t slot, bool active, int chunk,
+template <int kElems, bool kVector, typename T>
+__device__ __forceinline__ void store_token(const Elements<kElems, T>& x, int64_t slot, bool active, int chunk,
                                             unsigned warp_lanes, uint8_t* __restrict__ kv_cache, int64_t block_stride,
                                             IndexerCacheLayout layout, ScaleFormat fmt) {
-  float v[ELEMS];
+  float v[kElems];
   float amax = 0.0f;
 #pragma unroll
-  for (int i = 0; i < ELEMS; ++i) {
+  for (int i = 0; i < kElems; ++i) {
     v[i] = to_float(x.x[i]);
     amax = fmaxf(amax, fabsf(v[i]));
   }
-  const int lanes = static_cast<int>(layout.quant_block_size / ELEMS);  // a power of two <= 32
-  for (int mask = lanes / 2; mask > 0; mask /= 2) amax = fmaxf(amax, __shfl_xor_sync(warp_lanes, amax, mask));
+  const int quant_block = static_cast<int>(layout.quant_block_size);
+  for (int mask = quant_block / kElems / 2; mask > 0; mask /= 2)  // the block's lanes: a power of two <= 32
+    amax = fmaxf(amax, __shfl_xor_sync(warp_lanes, amax, mask));
   if (!active) return;
 
   uint32_t scale_word;
@@ -59,58 +59,54 @@ __device__ __forceinline__ void store_token(const Elements<ELEMS, T>& x, int64_t
   // A power-of-two scale divides exactly as a multiply by its inverse; the float32 format needs the division.
   const bool power_of_two = fmt != ScaleFormat::Float32;
   const float inv_scale = 1.0f / scale;
-  float q[ELEMS];
+  uint32_t words[kElems / 4];  // FP8 bytes, element 4w + i in byte i of words[w]
 #pragma unroll
-  for (int i = 0; i < ELEMS; ++i) q[i] = power_of_two ? v[i] * inv_scale : v[i] / scale;
-  const uint32_t lo = e4m3_pair(q[0], q[1]) | (e4m3_pair(q[2], q[3]) << 16);
-  const uint32_t hi = e4m3_pair(q[4], q[5]) | (e4m3_pair(q[6], q[7]) << 16);
+  for (int w = 0; w < kElems / 4; ++w) {
+    float q[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) q[i] = power_of_two ? v[4 * w + i] * inv_scale : v[4 * w + i] / scale;
+    words[w] = e4m3_pair(q[0], q[1]) | (e4m3_pair(q[2], q[3]) << 16);
+  }
   // 32-bit: a cache on one GPU has fewer than 2^32 slots (each takes at least 8 bytes).
   const uint32_t slot32 = static_cast<uint32_t>(slot), block_size = static_cast<uint32_t>(layout.block_size);
   const uint32_t block = slot32 / block_size, offset = slot32 - block * block_size;
   uint8_t* base = kv_cache + block * block_stride;
-  uint8_t* values = base + layout.value_offset(offset) + chunk * ELEMS;
-  const int64_t j = chunk * ELEMS / layout.quant_block_size;
-  uint8_t* scale_out = chunk * ELEMS % layout.quant_block_size == 0 ? base + layout.scale_offset(offset, j) : nullptr;
+  const int first_element = chunk * kElems;
+  uint8_t* values = base + layout.value_offset(offset) + first_element;
+  uint8_t* scale_out =
+      first_element % quant_block == 0 ? base + layout.scale_offset(offset, first_element / quant_block) : nullptr;
   if constexpr (kVector) {
-    *reinterpret_cast<uint2*>(values) = make_uint2(lo, hi);
+#pragma unroll
+    for (int w = 0; w < kElems / 4; w += 2)
+      *reinterpret_cast<uint2*>(values + 4 * w) = make_uint2(words[w], words[w + 1]);
     if (scale_out) *reinterpret_cast<uint32_t*>(scale_out) = scale_word;
   } else {
-    for (int i = 0; i < ELEMS; ++i) values[i] = static_cast<uint8_t>((i < 4 ? lo : hi) >> (8 * (i % 4)));
+    for (int i = 0; i < kElems; ++i) values[i] = static_cast<uint8_t>(words[i / 4] >> (8 * (i % 4)));
     if (scale_out)
       for (int i = 0; i < 4; ++i) scale_out[i] = static_cast<uint8_t>(scale_word >> (8 * i));
   }
 }
 
-template <bool kVector, typename T>
+template <int kElems, bool kVector, typename T>
 __global__ void __launch_bounds__(THREADS) indexer_k_quant_and_cache_kernel(
     const T* __restrict__ k, int64_t k_row_stride, uint8_t* __restrict__ kv_cache, int64_t block_stride,
     int64_t num_blocks, const int64_t* __restrict__ slot_mapping, int64_t num_tokens, IndexerCacheLayout layout,
     ScaleFormat fmt) {
-  // This thread's tokens: threadIdx.y + t * blockDim.y of the CTA's TOKENS * blockDim.y.
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.y * TOKENS + threadIdx.y;
-  const int chunk = threadIdx.x;  // elements [chunk * 8, chunk * 8 + 8) of each token
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y;
+  const int chunk = threadIdx.x;  // elements [chunk * kElems, chunk * kElems + kElems) of the token
   // The block (chunks x rows threads) may end in a partial warp: shuffle among the lanes that exist. A quant
   // block's lanes are adjacent and never straddle warps. No lane returns early: all join the shuffles.
   const int tid = threadIdx.y * blockDim.x + threadIdx.x, warp_start = tid & ~(WARP - 1);
   const int lanes_here = min(WARP, static_cast<int>(blockDim.x * blockDim.y) - warp_start);
   const unsigned warp_lanes = lanes_here == WARP ? 0xFFFFFFFFu : (1u << lanes_here) - 1;
-  Elements<ELEMS, T> x[TOKENS];
-  int64_t slots[TOKENS];
-#pragma unroll
-  for (int t = 0; t < TOKENS; ++t) {  // every token's loads in flight before any is quantized
-    const int64_t token = first + t * blockDim.y;
-    x[t] = {};
-    slots[t] = -1;
-    if (token < num_tokens) {
-      slots[t] = __ldg(slot_mapping + token);
-      x[t] = load_elements<ELEMS, kVector>(k + token * k_row_stride + chunk * ELEMS);
-    }
+  Elements<kElems, T> x = {};
+  int64_t slot = -1;
+  if (token < num_tokens) {  // the activations load while the slot is still in flight
+    slot = __ldg(slot_mapping + token);
+    x = load_elements<kElems, kVector>(k + token * k_row_stride + chunk * kElems);
   }
-#pragma unroll
-  for (int t = 0; t < TOKENS; ++t) {
-    const bool active = slots[t] >= 0 && slots[t] < num_blocks * layout.block_size;
-    store_token<kVector>(x[t], slots[t], active, chunk, warp_lanes, kv_cache, block_stride, layout, fmt);
-  }
+  const bool active = slot >= 0 && slot < num_blocks * layout.block_size;
+  store_token<kElems, kVector>(x, slot, active, chunk, warp_lanes, kv_cache, block_stride, layout, fmt);
 }
 
 constexpr int ROWS = 8;  // rows per gather thread
@@ -186,19 +182,21 @@ void indexer_k_quant_and_cache_cuda(const Tensor& k, Tensor& kv_cache, const Ten
   const char* op = "indexer_k_quant_and_cache";
   const ScaleFormat fmt = parse_scale_fmt(scale_fmt);
   const IndexerCacheLayout layout = check_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size);
-  STD_TORCH_CHECK(quant_block_size >= ELEMS && quant_block_size <= WARP * ELEMS &&
+  STD_TORCH_CHECK(quant_block_size >= MIN_ELEMS && quant_block_size <= WARP * MIN_ELEMS &&
                       (quant_block_size & (quant_block_size - 1)) == 0,
                   op, ": quant_block_size: the CUDA kernel needs a power of two from 8 to 256, got ",
                   quant_block_size);
   const int64_t num_tokens = slot_mapping.size(0);
   if (num_tokens == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(kv_cache.get_device_index());
-  const int chunks = static_cast<int>(layout.head_dim / ELEMS);
+  // 16 elements a thread halve the per-thread work per byte (slot, address, scale, shuffles); a quant block of
+  // 8 (head_dim is a multiple of it) keeps 8.
+  const int elems = quant_block_size >= 16 ? 16 : MIN_ELEMS;
+  const int chunks = static_cast<int>(layout.head_dim / elems);
   STD_TORCH_CHECK(chunks <= THREADS, op, ": k: head_dim ", layout.head_dim, " is above the CUDA kernel's ",
-                  THREADS * ELEMS);
+                  THREADS * elems);
   const dim3 block(chunks, THREADS / chunks);
-  const int64_t tokens_per_block = static_cast<int64_t>(block.y) * TOKENS;
-  const dim3 grid(static_cast<unsigned>((num_tokens + tokens_per_block - 1) / tokens_per_block));
+  const dim3 grid(static_cast<unsigned>((num_tokens + block.y - 1) / block.y));
   const cudaStream_t stream = current_stream(kv_cache);
   const bool cache_aligned = aligned(kv_cache.const_data_ptr(), 8) && kv_cache.stride(0) % 8 == 0;
   dispatch_float_types(op, k.scalar_type(), [&](auto tag) {
@@ -209,11 +207,11 @@ void indexer_k_quant_and_cache_cuda(const Tensor& k, Tensor& kv_cache, const Ten
                                          kv_cache.size(0), slot_mapping.const_data_ptr<int64_t>(), num_tokens,
                                          layout, fmt);
     };
-    const bool k_aligned = aligned(k.const_data_ptr(), 16) && (k.stride(0) * sizeof(T)) % 16 == 0;
-    if (cache_aligned && k_aligned)
-      launch(indexer_k_quant_and_cache_kernel<true, T>);
+    const bool vector = cache_aligned && aligned(k.const_data_ptr(), 16) && (k.stride(0) * sizeof(T)) % 16 == 0;
+    if (elems == 16)
+      vector ? launch(indexer_k_quant_and_cache_kernel<16, true, T>) : launch(indexer_k_quant_and_cache_kernel<16, false, T>);
     else
-      launch(indexer_k_quant_and_cache_kernel<false, T>);
+      vector ? launch(indexer_k_quant_and_cache_kernel<8, true, T>) : launch(indexer_k_quant_and_cache_kernel<8, false, T>);
   });
   check_launch(op);
 }

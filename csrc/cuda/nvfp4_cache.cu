@@ -1,11 +1,13 @@
 // CUDA kernels of the NVFP4 KV-cache ops (FORMATS.md §1): the store (quantize into slots) and the
 // gather (dequantize each sequence's cached tokens into contiguous rows).
 //
-// Store: one thread owns one 16-element group of one (token, head) for both K and V; it issues its four
-// 16-byte activation loads before it waits for the token's slot, so the two latencies overlap. (Four
-// tokens a thread, software-pipelined, measured slower on the H200: 88 registers cut the occupancy.)
-// Gather: one thread owns half a group (8 outputs, one 16-byte store, so a warp's stores are contiguous)
-// of ROWS rows of one head, K and V; it finds the rows' sequences once, then loads all their codes before
+// Store: one thread owns one 16-element group of one (token, head) for both K and V; its four 16-byte activation
+// loads are in flight with the token's slot (its stores are predicated on the slot, not branched around: the
+// compiler sinks loads below such a branch). (Four tokens a thread, software-pipelined, measured slower on the
+// H200: 88 registers cut the occupancy.)
+// Gather: one thread owns half a group (8 outputs, one 16-byte store, so a warp's stores are contiguous) of
+// ROWS rows of one head, K and V; each row's source (sequence by a binary search over cu_seq_lens, then its
+// block) is found once per CTA, by one thread, into shared memory; a thread loads all its rows' codes before
 // decoding.
 // Blocks are (groups, heads, tokens) for the store and (2 x groups, heads, row sets) for the gather.
 #include <torch/csrc/stable/accelerator.h>
@@ -90,7 +92,7 @@ __device__ __forceinline__ float group_amax(const Elements<GROUP, T>& x) {
 
 // Quantizes one 16-element group into its 8 code bytes and 1 scale byte (FORMATS.md §1 steps 1-4).
 template <bool kVector, typename T>
-__device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float global, float inv_global,
+__device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float global, float inv_global, bool valid,
                                             uint8_t* data, uint8_t* scale) {
   float v[GROUP];
 #pragma unroll
@@ -106,15 +108,21 @@ __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float g
   }
   const uint32_t codes_lo = e2m1_pack8(lo), codes_hi = e2m1_pack8(hi);
   if constexpr (kVector) {
-    *reinterpret_cast<uint2*>(data) = make_uint2(codes_lo, codes_hi);
+    // Predicated stores, no branch (see the kernel): 8 code bytes, then the scale byte.
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.v2.u32 [%1], {%2, %3};\n@p st.global.u8 [%4], %5;\n}"
+        :
+        : "r"(static_cast<int>(valid)), "l"(data), "r"(codes_lo), "r"(codes_hi), "l"(scale), "r"(static_cast<uint32_t>(sf))
+        : "memory");
   } else {
+    if (!valid) return;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       data[i] = static_cast<uint8_t>(codes_lo >> (8 * i));
       data[4 + i] = static_cast<uint8_t>(codes_hi >> (8 * i));
     }
+    *scale = sf;
   }
-  *scale = sf;
 }
 
 template <bool kVector, typename T>
@@ -130,21 +138,21 @@ __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_kernel(
   const float kg = __ldg(k_scale), vg = __ldg(v_scale);
   const int g = threadIdx.x;
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
-    // Loaded while the slot is still in flight.
     const auto k = load_elements<GROUP, kVector>(key + token * key_token_stride + head * key_head_stride + g * GROUP);
     const auto v =
         load_elements<GROUP, kVector>(value + token * value_token_stride + head * value_head_stride + g * GROUP);
     // A negative slot is a padding token; a slot past the cache is skipped too (checking it on the host
-    // would need a sync; the CPU op raises).
-    if (slot < 0 || slot >= num_blocks * layout.block_size) return;
+    // would need a sync; the CPU op raises). Not by a branch: the compiler would sink the loads above below
+    // it, so they would wait for the slot instead of loading while it is in flight.
+    const bool valid = slot >= 0 && slot < num_blocks * layout.block_size;
     const int64_t block = slot / layout.block_size;
     const int offset = static_cast<int>(slot - block * layout.block_size);
     uint8_t* k_side = key_cache + block * block_stride;
     uint8_t* v_side = value_cache + block * block_stride;
     const EntryOffsets at(layout, static_cast<int>(head), g);
     const int data = at.data_at(offset);
-    store_group<kVector>(k, kg, 1.0f / kg, k_side + data, k_side + at.k_scale_at(offset));
-    store_group<kVector>(v, vg, 1.0f / vg, v_side + data, v_side + at.v_scale_at(offset));
+    store_group<kVector>(k, kg, 1.0f / kg, valid, k_side + data, k_side + at.k_scale_at(offset));
+    store_group<kVector>(v, vg, 1.0f / vg, valid, v_side + data, v_side + at.v_scale_at(offset));
   }
 }
 
