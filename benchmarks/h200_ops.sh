@@ -5,20 +5,18 @@
 # FlashInfer 0.7.0.post1 + apache-tvm-ffi come from the git-ignored .whl/ (carried).
 # SKIP_BUILD=1 reuses an extension already built there; STEPS picks steps (default: all); every step ends
 # before DEADLINE seconds (the run tool's limit is 600). ARCHS sets TORCH_CUDA_ARCH_LIST (default "9.0a;10.0a").
-# OVERLAY="path ..." copies those paths of the working copy over the committed tree: trying a change before
-# committing it.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-out}")
 STEPS=${STEPS:-"build cuda_tests tests bad_inputs bench doctor memcheck memcheck_large racecheck ncu"}
 DEADLINE=${DEADLINE:-580}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-# Build and test the committed tree (HEAD), not whatever else sits uncommitted in the working copy.
+# With a git checkout, build and test the committed tree (HEAD) only. Where git finds no HEAD (as in the run
+# tool's copy of the working tree), the copy itself is built, uncommitted changes included, and summary.txt
+# has no "commit" line.
 if git rev-parse --verify -q HEAD > /dev/null; then
   echo "commit $(git rev-parse --short HEAD); uncommitted changes left out: $(git status --short | wc -l)" | tee "$OUT/summary.txt"
-  rm -rf /tmp/clean && mkdir /tmp/clean && git archive HEAD | tar -x -C /tmp/clean
-  for path in ${OVERLAY:-}; do cp -r "$path" "/tmp/clean/$(dirname "$path")/" && echo "overlaid: $path" | tee -a "$OUT/summary.txt"; done
-  cd /tmp/clean
+  rm -rf /tmp/clean && mkdir /tmp/clean && git archive HEAD | tar -x -C /tmp/clean && cd /tmp/clean
 fi
 export PYTHONPATH=/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
