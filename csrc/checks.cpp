@@ -2,7 +2,7 @@
 
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
-#include <torch/headeronly/util/Exception.h>
+#include "error.h"
 
 #include <initializer_list>
 #include <string>
@@ -28,22 +28,22 @@ void check_dtype(const char* op, const char* name, const Tensor& t, std::initial
                  const char* allowed_text) {
   for (ScalarType a : allowed)
     if (t.scalar_type() == a) return;
-  STD_TORCH_CHECK(false, op, ": ", name, ": dtype must be ", allowed_text, ", got ", t.scalar_type());
+  NVFP4_CHECK(false, op, ": ", name, ": dtype must be ", allowed_text, ", got ", t.scalar_type());
 }
 
 void check_dim(const char* op, const char* name, const Tensor& t, int64_t dim, const char* shape_text) {
-  STD_TORCH_CHECK(t.dim() == dim, op, ": ", name, ": must be ", dim, "-D ", shape_text, ", got shape ",
+  NVFP4_CHECK(t.dim() == dim, op, ": ", name, ": must be ", dim, "-D ", shape_text, ", got shape ",
                   shape_of(t));
 }
 
 void check_same_device(const char* op, const char* name, const Tensor& t, const Tensor& ref, const char* ref_name) {
-  STD_TORCH_CHECK(t.device() == ref.device(), op, ": ", name, ": must be on ", ref_name, "'s device (",
+  NVFP4_CHECK(t.device() == ref.device(), op, ": ", name, ": must be on ", ref_name, "'s device (",
                   device_name(ref), "), got ", device_name(t));
 }
 
 void check_global_scale(const char* op, const char* name, const Tensor& scale, const Tensor& cache) {
   check_dtype(op, name, scale, {ScalarType::Float}, "float32");
-  STD_TORCH_CHECK(scale.numel() == 1, op, ": ", name, ": must hold one float32 (the layer's global scale), got ",
+  NVFP4_CHECK(scale.numel() == 1, op, ": ", name, ": must hold one float32 (the layer's global scale), got ",
                   scale.numel(), " elements");
   check_same_device(op, name, scale, cache, "key_cache");
 }
@@ -54,31 +54,31 @@ NVFP4PageLayout side_cache_layout(const char* op, const Tensor& key_cache, const
   check_dim(op, "key_cache", key_cache, 4, "[num_blocks, block_size, num_heads, full_dim]");
   check_dtype(op, "key_cache", key_cache, {ScalarType::Byte}, "uint8");
   const int64_t block_size = key_cache.size(1), num_heads = key_cache.size(2), full_dim = key_cache.size(3);
-  STD_TORCH_CHECK(full_dim > 0 && full_dim % 9 == 0, op, ": key_cache: last dim ", full_dim,
+  NVFP4_CHECK(full_dim > 0 && full_dim % 9 == 0, op, ": key_cache: last dim ", full_dim,
                   " is not head_size/2 + head_size/16 (a positive multiple of 9)");
-  STD_TORCH_CHECK(block_size > 0 && num_heads > 0, op, ": key_cache: block size and head count must be positive, ",
+  NVFP4_CHECK(block_size > 0 && num_heads > 0, op, ": key_cache: block size and head count must be positive, ",
                   "got shape ", shape_of(key_cache));
   const bool hnd = key_cache.stride(2) > key_cache.stride(1);
   const NVFP4PageLayout layout{full_dim / 9 * 16, block_size, num_heads, hnd, swizzle_v_scales};
   const int inner = hnd ? 1 : 2, outer = hnd ? 2 : 1;
   // A dim of size 1 may carry any stride.
-  STD_TORCH_CHECK(key_cache.stride(3) == 1 && (key_cache.size(inner) == 1 || key_cache.stride(inner) == full_dim) &&
+  NVFP4_CHECK(key_cache.stride(3) == 1 && (key_cache.size(inner) == 1 || key_cache.stride(inner) == full_dim) &&
                       (key_cache.size(outer) == 1 || key_cache.stride(outer) == full_dim * key_cache.size(inner)) &&
                       (key_cache.size(0) <= 1 || key_cache.stride(0) >= layout.side_bytes()),
                   op, ": key_cache: each block side must be contiguous NHD or HND bytes, got shape ",
                   shape_of(key_cache), " strides [", key_cache.stride(0), ", ", key_cache.stride(1), ", ",
                   key_cache.stride(2), ", ", key_cache.stride(3), "]");
   if (swizzle_v_scales) {
-    STD_TORCH_CHECK(block_size % 4 == 0, op, ": key_cache: block size ", block_size,
+    NVFP4_CHECK(block_size % 4 == 0, op, ": key_cache: block size ", block_size,
                     " is not a multiple of 4, which swizzle_v_scales needs");
-    STD_TORCH_CHECK(layout.scale_dim() % 4 == 0, op, ": key_cache: head size ", layout.head_size,
+    NVFP4_CHECK(layout.scale_dim() % 4 == 0, op, ": key_cache: head size ", layout.head_size,
                     " is not a multiple of 64, which swizzle_v_scales needs");
   }
   check_dtype(op, "value_cache", value_cache, {ScalarType::Byte}, "uint8");
   bool same_geometry = value_cache.dim() == 4;
   for (int64_t d = 0; same_geometry && d < 4; ++d)
     same_geometry = value_cache.size(d) == key_cache.size(d) && value_cache.stride(d) == key_cache.stride(d);
-  STD_TORCH_CHECK(same_geometry, op, ": value_cache: must have key_cache's shape ", shape_of(key_cache),
+  NVFP4_CHECK(same_geometry, op, ": value_cache: must have key_cache's shape ", shape_of(key_cache),
                   " and strides, got shape ", shape_of(value_cache));
   check_same_device(op, "value_cache", value_cache, key_cache, "key_cache");
   return layout;
@@ -89,11 +89,11 @@ void check_heads_tensor(const char* op, const char* name, const Tensor& t, const
                         const Tensor& key_cache) {
   check_dim(op, name, t, 3, "[num_tokens, num_heads, head_size]");
   check_dtype(op, name, t, {ScalarType::BFloat16, ScalarType::Half, ScalarType::Float}, "bfloat16, float16 or float32");
-  STD_TORCH_CHECK(t.size(2) % NVFP4_GROUP == 0, op, ": ", name, ": head size ", t.size(2),
+  NVFP4_CHECK(t.size(2) % NVFP4_GROUP == 0, op, ": ", name, ": head size ", t.size(2),
                   " is not a multiple of 16");
-  STD_TORCH_CHECK(t.size(1) == layout.num_heads && t.size(2) == layout.head_size, op, ": ", name, ": shape ",
+  NVFP4_CHECK(t.size(1) == layout.num_heads && t.size(2) == layout.head_size, op, ": ", name, ": shape ",
                   shape_of(t), " does not match key_cache's ", layout.num_heads, " heads of size ", layout.head_size);
-  STD_TORCH_CHECK(t.stride(2) == 1, op, ": ", name, ": the head dim must be contiguous (stride 1), got stride ",
+  NVFP4_CHECK(t.stride(2) == 1, op, ": ", name, ": the head dim must be contiguous (stride 1), got stride ",
                   t.stride(2));
   check_same_device(op, name, t, key_cache, "key_cache");
 }
@@ -102,7 +102,7 @@ void check_slot_mapping(const char* op, const Tensor& slot_mapping, int64_t num_
                         const char* cache_name) {
   check_dtype(op, "slot_mapping", slot_mapping, {ScalarType::Long}, "int64");
   check_dim(op, "slot_mapping", slot_mapping, 1, "[num_tokens]");
-  STD_TORCH_CHECK(slot_mapping.size(0) <= num_tokens, op, ": slot_mapping: ", slot_mapping.size(0),
+  NVFP4_CHECK(slot_mapping.size(0) <= num_tokens, op, ": slot_mapping: ", slot_mapping.size(0),
                   " slots for only ", num_tokens, " tokens");
   check_same_device(op, "slot_mapping", slot_mapping, cache, cache_name);
 }
@@ -111,14 +111,14 @@ void check_block_table(const char* op, const Tensor& block_table, const Tensor& 
                        const char* cache_name) {
   check_dtype(op, "block_table", block_table, {ScalarType::Int}, "int32");
   check_dim(op, "block_table", block_table, 2, "[batch, max_blocks]");
-  STD_TORCH_CHECK(block_table.stride(1) == 1, op, ": block_table: rows must be contiguous, got stride ",
+  NVFP4_CHECK(block_table.stride(1) == 1, op, ": block_table: rows must be contiguous, got stride ",
                   block_table.stride(1));
   check_dtype(op, "cu_seq_lens", cu_seq_lens, {ScalarType::Int}, "int32");
   check_dim(op, "cu_seq_lens", cu_seq_lens, 1, "[batch + 1]");
-  STD_TORCH_CHECK(cu_seq_lens.size(0) == block_table.size(0) + 1, op, ": cu_seq_lens: must have batch + 1 = ",
+  NVFP4_CHECK(cu_seq_lens.size(0) == block_table.size(0) + 1, op, ": cu_seq_lens: must have batch + 1 = ",
                   block_table.size(0) + 1, " entries (block_table has ", block_table.size(0), " rows), got ",
                   cu_seq_lens.size(0));
-  STD_TORCH_CHECK(cu_seq_lens.stride(0) == 1, op, ": cu_seq_lens: must be contiguous");
+  NVFP4_CHECK(cu_seq_lens.stride(0) == 1, op, ": cu_seq_lens: must be contiguous");
   check_same_device(op, "block_table", block_table, cache, cache_name);
   check_same_device(op, "cu_seq_lens", cu_seq_lens, cache, cache_name);
 }
@@ -127,10 +127,10 @@ void check_block_table(const char* op, const Tensor& block_table, const Tensor& 
 IndexerCacheLayout indexer_cache_layout(const char* op, const Tensor& kv_cache, int64_t head_dim,
                                         int64_t quant_block_size) {
   const IndexerCacheLayout layout{head_dim, kv_cache.size(1), quant_block_size};
-  STD_TORCH_CHECK(kv_cache.size(2) == layout.row_bytes(), op, ": kv_cache: last dim ", kv_cache.size(2),
+  NVFP4_CHECK(kv_cache.size(2) == layout.row_bytes(), op, ": kv_cache: last dim ", kv_cache.size(2),
                   " is not head_dim + head_dim/quant_block_size*4 = ", layout.row_bytes(), " for head_dim ",
                   head_dim, " and quant_block_size ", quant_block_size);
-  STD_TORCH_CHECK(kv_cache.stride(2) == 1 && kv_cache.stride(1) == layout.row_bytes() &&
+  NVFP4_CHECK(kv_cache.stride(2) == 1 && kv_cache.stride(1) == layout.row_bytes() &&
                       kv_cache.stride(0) >= layout.block_bytes(),
                   op, ": kv_cache: blocks must be contiguous rows of ", layout.row_bytes(), " bytes, got strides [",
                   kv_cache.stride(0), ", ", kv_cache.stride(1), ", ", kv_cache.stride(2), "]");
@@ -140,7 +140,7 @@ IndexerCacheLayout indexer_cache_layout(const char* op, const Tensor& kv_cache, 
 void check_indexer_cache_basics(const char* op, const Tensor& kv_cache) {
   check_dim(op, "kv_cache", kv_cache, 3, "[num_blocks, block_size, head_dim + scale bytes]");
   check_dtype(op, "kv_cache", kv_cache, {ScalarType::Byte}, "uint8");
-  STD_TORCH_CHECK(kv_cache.size(1) > 0, op, ": kv_cache: block size must be positive");
+  NVFP4_CHECK(kv_cache.size(1) > 0, op, ": kv_cache: block size must be positive");
 }
 
 }  // namespace
@@ -152,7 +152,7 @@ NVFP4PageLayout check_reshape_and_cache_nvfp4(const Tensor& key, const Tensor& v
   const NVFP4PageLayout layout = side_cache_layout(op, key_cache, value_cache, swizzle_v_scales);
   check_heads_tensor(op, "key", key, layout, key_cache);
   check_heads_tensor(op, "value", value, layout, key_cache);
-  STD_TORCH_CHECK(value.size(0) == key.size(0) && value.scalar_type() == key.scalar_type(), op,
+  NVFP4_CHECK(value.size(0) == key.size(0) && value.scalar_type() == key.scalar_type(), op,
                   ": value: must have key's shape ", shape_of(key), " and dtype, got ", shape_of(value), " ",
                   value.scalar_type());
   check_slot_mapping(op, slot_mapping, key.size(0), key_cache, "key_cache");
@@ -172,7 +172,7 @@ NVFP4PageLayout check_gather_nvfp4_kv_cache(const Tensor& key_cache, const Tenso
   check_global_scale(op, "v_scale", v_scale, key_cache);
   check_heads_tensor(op, "out_key", out_key, layout, key_cache);
   check_heads_tensor(op, "out_value", out_value, layout, key_cache);
-  STD_TORCH_CHECK(out_value.size(0) == out_key.size(0), op, ": out_value: must have out_key's ", out_key.size(0),
+  NVFP4_CHECK(out_value.size(0) == out_key.size(0), op, ": out_value: must have out_key's ", out_key.size(0),
                   " rows, got ", out_value.size(0));
   return layout;
 }
@@ -181,7 +181,7 @@ ScaleFormat parse_scale_fmt(const std::string& scale_fmt) {
   if (scale_fmt.empty()) return ScaleFormat::Float32;
   if (scale_fmt == "ue8m0") return ScaleFormat::UE8M0;
   if (scale_fmt == "mxfp8") return ScaleFormat::MXFP8;
-  STD_TORCH_CHECK(false, "indexer_k_quant_and_cache: scale_fmt: must be \"\", \"ue8m0\" or \"mxfp8\", got \"",
+  NVFP4_CHECK(false, "indexer_k_quant_and_cache: scale_fmt: must be \"\", \"ue8m0\" or \"mxfp8\", got \"",
                   scale_fmt, "\"");
 }
 
@@ -191,9 +191,9 @@ IndexerCacheLayout check_indexer_k_quant_and_cache(const Tensor& k, const Tensor
   check_indexer_cache_basics(op, kv_cache);
   check_dim(op, "k", k, 2, "[num_tokens, head_dim]");
   check_dtype(op, "k", k, {ScalarType::BFloat16, ScalarType::Half, ScalarType::Float}, "bfloat16, float16 or float32");
-  STD_TORCH_CHECK(k.stride(1) == 1, op, ": k: rows must be contiguous, got stride ", k.stride(1));
+  NVFP4_CHECK(k.stride(1) == 1, op, ": k: rows must be contiguous, got stride ", k.stride(1));
   check_same_device(op, "k", k, kv_cache, "kv_cache");
-  STD_TORCH_CHECK(quant_block_size > 0 && k.size(1) > 0 && k.size(1) % quant_block_size == 0, op,
+  NVFP4_CHECK(quant_block_size > 0 && k.size(1) > 0 && k.size(1) % quant_block_size == 0, op,
                   ": quant_block_size: head_dim ", k.size(1), " must be a positive multiple of quant_block_size ",
                   quant_block_size);
   const IndexerCacheLayout layout = indexer_cache_layout(op, kv_cache, k.size(1), quant_block_size);
@@ -208,18 +208,18 @@ IndexerCacheLayout check_cp_gather_indexer_k_quant_cache(const Tensor& kv_cache,
   check_indexer_cache_basics(op, kv_cache);
   check_dim(op, "dst_k", dst_k, 2, "[num_tokens, head_dim]");
   check_dtype(op, "dst_k", dst_k, {ScalarType::Byte, ScalarType::Float8_e4m3fn}, "uint8 or float8_e4m3fn");
-  STD_TORCH_CHECK(dst_k.stride(1) == 1, op, ": dst_k: rows must be contiguous, got stride ", dst_k.stride(1));
+  NVFP4_CHECK(dst_k.stride(1) == 1, op, ": dst_k: rows must be contiguous, got stride ", dst_k.stride(1));
   check_dim(op, "dst_scale", dst_scale, 2, "[num_tokens, scale bytes or scales]");
   check_dtype(op, "dst_scale", dst_scale, {ScalarType::Byte, ScalarType::Float}, "uint8 or float32");
-  STD_TORCH_CHECK(dst_scale.stride(1) == 1, op, ": dst_scale: rows must be contiguous, got stride ",
+  NVFP4_CHECK(dst_scale.stride(1) == 1, op, ": dst_scale: rows must be contiguous, got stride ",
                   dst_scale.stride(1));
-  STD_TORCH_CHECK(dst_scale.size(0) == dst_k.size(0), op, ": dst_scale: must have dst_k's ", dst_k.size(0),
+  NVFP4_CHECK(dst_scale.size(0) == dst_k.size(0), op, ": dst_scale: must have dst_k's ", dst_k.size(0),
                   " rows, got ", dst_scale.size(0));
   check_same_device(op, "dst_k", dst_k, kv_cache, "kv_cache");
   check_same_device(op, "dst_scale", dst_scale, kv_cache, "kv_cache");
   // The cache row is head_dim value bytes plus 4 scale bytes per quant block.
   const int64_t head_dim = dst_k.size(1), scale_bytes = dst_scale.size(1) * dst_scale.element_size();
-  STD_TORCH_CHECK(head_dim > 0 && scale_bytes > 0 && scale_bytes % 4 == 0 && head_dim % (scale_bytes / 4) == 0, op,
+  NVFP4_CHECK(head_dim > 0 && scale_bytes > 0 && scale_bytes % 4 == 0 && head_dim % (scale_bytes / 4) == 0, op,
                   ": dst_scale: ", scale_bytes, " scale bytes a row do not split head_dim ", head_dim,
                   " into float32-scaled quant blocks");
   const IndexerCacheLayout layout = indexer_cache_layout(op, kv_cache, head_dim, head_dim / (scale_bytes / 4));
@@ -229,26 +229,26 @@ IndexerCacheLayout check_cp_gather_indexer_k_quant_cache(const Tensor& kv_cache,
 
 void check_slot_range(const char* op, const int64_t* slots, int64_t num_tokens, int64_t num_slots) {
   for (int64_t i = 0; i < num_tokens; ++i)
-    STD_TORCH_CHECK(slots[i] < num_slots, op, ": slot_mapping: slot ", slots[i], " of token ", i,
+    NVFP4_CHECK(slots[i] < num_slots, op, ": slot_mapping: slot ", slots[i], " of token ", i,
                     " is beyond the cache's ", num_slots, " slots");
 }
 
 void check_gather_ranges(const char* op, const int32_t* block_table, int64_t table_row_stride,
                          int64_t table_cols, const int32_t* cu_seq_lens, int64_t batch, int64_t block_size,
                          int64_t num_blocks, int64_t out_rows) {
-  STD_TORCH_CHECK(batch == 0 || cu_seq_lens[0] == 0, op, ": cu_seq_lens: must start at 0, got ", cu_seq_lens[0]);
-  STD_TORCH_CHECK(cu_seq_lens[batch] <= out_rows, op, ": cu_seq_lens: ", cu_seq_lens[batch],
+  NVFP4_CHECK(batch == 0 || cu_seq_lens[0] == 0, op, ": cu_seq_lens: must start at 0, got ", cu_seq_lens[0]);
+  NVFP4_CHECK(cu_seq_lens[batch] <= out_rows, op, ": cu_seq_lens: ", cu_seq_lens[batch],
                   " tokens do not fit the output's ", out_rows, " rows");
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = cu_seq_lens[b + 1] - cu_seq_lens[b];
-    STD_TORCH_CHECK(len >= 0, op, ": cu_seq_lens: must be non-decreasing, entry ", b + 1, " is ",
+    NVFP4_CHECK(len >= 0, op, ": cu_seq_lens: must be non-decreasing, entry ", b + 1, " is ",
                     cu_seq_lens[b + 1], " after ", cu_seq_lens[b]);
     const int64_t blocks_used = (len + block_size - 1) / block_size;
-    STD_TORCH_CHECK(blocks_used <= table_cols, op, ": block_table: sequence ", b, " of ", len, " tokens needs ",
+    NVFP4_CHECK(blocks_used <= table_cols, op, ": block_table: sequence ", b, " of ", len, " tokens needs ",
                     blocks_used, " blocks, but block_table has ", table_cols, " columns");
     for (int64_t j = 0; j < blocks_used; ++j) {
       const int32_t block = block_table[b * table_row_stride + j];
-      STD_TORCH_CHECK(block >= 0 && block < num_blocks, op, ": block_table: entry [", b, ", ", j, "] = ", block,
+      NVFP4_CHECK(block >= 0 && block < num_blocks, op, ": block_table: entry [", b, ", ", j, "] = ", block,
                       " is not a block of the cache (", num_blocks, " blocks)");
     }
   }

@@ -5,7 +5,7 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 #include <torch/headeronly/util/BFloat16.h>
-#include <torch/headeronly/util/Exception.h>
+#include "error.h"
 #include <torch/headeronly/util/Half.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -42,7 +42,7 @@ void dispatch_float_types(ScalarType type, Fn&& fn) {
     case ScalarType::BFloat16: fn(c10::BFloat16{}); break;
     case ScalarType::Half: fn(c10::Half{}); break;
     case ScalarType::Float: fn(float{}); break;
-    default: STD_TORCH_CHECK(false, "unsupported dtype ", type);  // the argument checks rule this out
+    default: NVFP4_CHECK(false, "unsupported dtype ", type);  // the argument checks rule this out
   }
 }
 
@@ -81,7 +81,7 @@ Isa detect_isa() {
                                                   : Isa::Baseline;
   if (const char* cap = std::getenv("VLLM_NVFP4_CPU_ISA")) {
     const std::string name(cap);
-    STD_TORCH_CHECK(name == "avx512" || name == "avx2" || name == "baseline",
+    NVFP4_CHECK(name == "avx512" || name == "avx2" || name == "baseline",
                     "VLLM_NVFP4_CPU_ISA must be avx512, avx2 or baseline, got \"", name, "\"");
     const Isa capped = name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Baseline;
     isa = std::min(isa, capped);
@@ -98,14 +98,13 @@ Isa cpu_isa() {
 }
 
 // --- E2M1 encoding of whole groups, per instruction set ------------------------------------------------
-// Encodes `count` groups of 16 float32 values (already scaled by their out_scale) into 8 packed bytes
-// each: quant.h's e2m1_encode and nibble packing. The code of a value is the number of thresholds it
+// Encodes `count` groups of 16 values, each scaled by its out_scale in float32, into 8 packed bytes each:
+// quant.h's e2m1_encode and nibble packing. The code of a value is the number of thresholds it
 // passes; as the comparisons' lane masks are nested (passing 1.75 implies passing 0.75), the code's bits
 // are plain mask logic, and PDEP moves lane i's bits to nibble i of the 8 output bytes.
-using EncodeGroups = void (*)(const float (*values)[NVFP4_GROUP], uint8_t* const* out, int count);
-
-void encode_groups_baseline(const float (*values)[NVFP4_GROUP], uint8_t* const* out, int count) {
-  for (int i = 0; i < count; ++i) simd::pack_e2m1(simd::e2m1_encode(simd::load16(values[i])), out[i]);
+template <typename T>
+void encode_groups_baseline(const T* const* src, const float* out_scale, uint8_t* const* out, int count) {
+  for (int i = 0; i < count; ++i) simd::pack_e2m1(simd::e2m1_encode(simd::load16(src[i]) * out_scale[i]), out[i]);
 }
 
 #if NVFP4_X86
@@ -118,9 +117,11 @@ __attribute__((target("bmi2"), always_inline)) inline uint64_t packed_codes(cons
          _pdep_u64(bit2, 0x4444444444444444ull) | _pdep_u64(sign, 0x8888888888888888ull);
 }
 
-NVFP4_TARGET_AVX512 void encode_groups_avx512(const float (*values)[NVFP4_GROUP], uint8_t* const* out, int count) {
+template <typename T>
+NVFP4_TARGET_AVX512 void encode_groups_avx512(const T* const* src, const float* out_scale, uint8_t* const* out,
+                                              int count) {
   for (int i = 0; i < count; ++i) {
-    const __m512 v = _mm512_loadu_ps(values[i]);
+    const __m512 v = __builtin_bit_cast(__m512, simd::load16(src[i]) * out_scale[i]);
     const __m512 a = _mm512_abs_ps(v);
     const uint32_t m[7] = {_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ),
                            _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ),
@@ -138,10 +139,13 @@ NVFP4_TARGET_AVX512 void encode_groups_avx512(const float (*values)[NVFP4_GROUP]
 #define NVFP4_MASK16(lo, hi, t, op) \
   static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(lo, t, op)) | (_mm256_movemask_ps(_mm256_cmp_ps(hi, t, op)) << 8))
 
-NVFP4_TARGET_AVX2 void encode_groups_avx2(const float (*values)[NVFP4_GROUP], uint8_t* const* out, int count) {
+template <typename T>
+NVFP4_TARGET_AVX2 void encode_groups_avx2(const T* const* src, const float* out_scale, uint8_t* const* out, int count) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int i = 0; i < count; ++i) {
-    const __m256 lo = _mm256_loadu_ps(values[i]), hi = _mm256_loadu_ps(values[i] + 8);
+    alignas(64) float scaled[NVFP4_GROUP];
+    simd::store16(simd::load16(src[i]) * out_scale[i], scaled);
+    const __m256 lo = _mm256_load_ps(scaled), hi = _mm256_load_ps(scaled + 8);
     const __m256 a_lo = _mm256_and_ps(lo, abs_mask), a_hi = _mm256_and_ps(hi, abs_mask);
     const uint32_t m[7] = {NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(0.25f), _CMP_GT_OQ),
                            NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(0.75f), _CMP_GE_OQ),
@@ -163,9 +167,9 @@ NVFP4_TARGET_AVX2 void encode_groups_avx2(const float (*values)[NVFP4_GROUP], ui
 template <typename T>
 NVFP4_INLINE void store_token_impl(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t token,
                                    const int64_t* scale_delta, float global, float inv_global, uint8_t* side,
-                                   EncodeGroups encode) {
+                                   void (*encode)(const T* const*, const float*, uint8_t* const*, int)) {
   alignas(64) uint32_t amax[LANES] = {};
-  alignas(64) float scaled[LANES][NVFP4_GROUP];
+  alignas(64) float out_scale[LANES];
   const T* src[LANES];
   uint8_t* data[LANES];
   uint8_t* scale[LANES];
@@ -175,12 +179,9 @@ NVFP4_INLINE void store_token_impl(const T* x, int64_t head_stride, const NVFP4P
     std::memcpy(&amax_vector, amax, sizeof amax_vector);
     const simd::u32x16 sf = simd::e4m3_encode(simd::as_f32(amax_vector) * ONE_SIXTH * inv_global);
     const simd::f32x16 sf_value = simd::e4m3_decode(sf);
-    const simd::f32x16 out_scale = sf_value == 0.0f ? simd::f32x16{} : 1.0f / (sf_value * global);
-    for (int i = 0; i < lanes; ++i) {
-      simd::store16(simd::load16(src[i]) * out_scale[i], scaled[i]);
-      *scale[i] = static_cast<uint8_t>(sf[i]);
-    }
-    encode(scaled, data, lanes);
+    simd::store16(sf_value == 0.0f ? simd::f32x16{} : 1.0f / (sf_value * global), out_scale);
+    for (int i = 0; i < lanes; ++i) *scale[i] = static_cast<uint8_t>(sf[i]);
+    encode(src, out_scale, data, lanes);
     lanes = 0;
   };
   const int64_t r = token % 4, scale_dim = layout.scale_dim();
@@ -266,7 +267,7 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
   template <typename T>                                                                                           \
   TARGET void store_token_##ISA(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t token,    \
                                 const int64_t* scale_delta, float global, float inv_global, uint8_t* side) {      \
-    store_token_impl(x, head_stride, layout, token, scale_delta, global, inv_global, side, encode_groups_##ISA);   \
+    store_token_impl(x, head_stride, layout, token, scale_delta, global, inv_global, side, encode_groups_##ISA<T>);\
   }                                                                                                               \
   template <typename T>                                                                                           \
   TARGET void load_token_##ISA(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,                 \

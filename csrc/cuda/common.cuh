@@ -13,7 +13,7 @@
 #include <torch/csrc/inductor/aoti_torch/c/shim.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
-#include <torch/headeronly/util/Exception.h>
+#include "../error.h"
 
 #include <cstdint>
 
@@ -29,14 +29,14 @@ constexpr int WARP = 32;
 // PyTorch's current stream on the tensor's device: the ops never synchronize and are graph-capturable.
 inline cudaStream_t current_stream(const Tensor& t) {
   void* stream = nullptr;
-  STD_TORCH_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream) == AOTI_TORCH_SUCCESS,
+  NVFP4_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream) == AOTI_TORCH_SUCCESS,
                   "could not get the current CUDA stream of device ", t.get_device_index());
   return static_cast<cudaStream_t>(stream);
 }
 
 inline void check_launch(const char* op) {
   const cudaError_t err = cudaGetLastError();
-  STD_TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
+  NVFP4_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 
 inline bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
@@ -48,7 +48,7 @@ void dispatch_float_types(const char* op, ScalarType type, Fn&& fn) {
     case ScalarType::BFloat16: fn(__nv_bfloat16{}); break;
     case ScalarType::Half: fn(__half{}); break;
     case ScalarType::Float: fn(float{}); break;
-    default: STD_TORCH_CHECK(false, op, ": unsupported dtype ", type);
+    default: NVFP4_CHECK(false, op, ": unsupported dtype ", type);
   }
 }
 

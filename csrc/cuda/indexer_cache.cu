@@ -182,7 +182,7 @@ void indexer_k_quant_and_cache_cuda(const Tensor& k, Tensor& kv_cache, const Ten
   const char* op = "indexer_k_quant_and_cache";
   const ScaleFormat fmt = parse_scale_fmt(scale_fmt);
   const IndexerCacheLayout layout = check_indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size);
-  STD_TORCH_CHECK(quant_block_size >= MIN_ELEMS && quant_block_size <= WARP * MIN_ELEMS &&
+  NVFP4_CHECK(quant_block_size >= MIN_ELEMS && quant_block_size <= WARP * MIN_ELEMS &&
                       (quant_block_size & (quant_block_size - 1)) == 0,
                   op, ": quant_block_size: the CUDA kernel needs a power of two from 8 to 256, got ",
                   quant_block_size);
@@ -193,7 +193,7 @@ void indexer_k_quant_and_cache_cuda(const Tensor& k, Tensor& kv_cache, const Ten
   // 8 (head_dim is a multiple of it) keeps 8.
   const int elems = quant_block_size >= 16 ? 16 : MIN_ELEMS;
   const int chunks = static_cast<int>(layout.head_dim / elems);
-  STD_TORCH_CHECK(chunks <= THREADS, op, ": k: head_dim ", layout.head_dim, " is above the CUDA kernel's ",
+  NVFP4_CHECK(chunks <= THREADS, op, ": k: head_dim ", layout.head_dim, " is above the CUDA kernel's ",
                   THREADS * elems);
   const dim3 block(chunks, THREADS / chunks);
   const dim3 grid(static_cast<unsigned>((num_tokens + block.y - 1) / block.y));

@@ -35,7 +35,7 @@ dim3 block_shape(const NVFP4PageLayout& layout, int threads_per_group) {
 }
 
 void check_head_size(const char* op, const NVFP4PageLayout& layout) {
-  STD_TORCH_CHECK(layout.scale_dim() * 2 <= THREADS, op, ": key_cache: head size ", layout.head_size,
+  NVFP4_CHECK(layout.scale_dim() * 2 <= THREADS, op, ": key_cache: head size ", layout.head_size,
                   " is above the CUDA kernels' ", THREADS * NVFP4_GROUP / 2);
 }
 
@@ -288,7 +288,7 @@ void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cac
   const char* op = "gather_nvfp4_kv_cache";
   const NVFP4PageLayout layout = check_gather_nvfp4_kv_cache(key_cache, value_cache, block_table, cu_seq_lens,
                                                              k_scale, v_scale, swizzle_v_scales, out_key, out_value);
-  STD_TORCH_CHECK(out_key.scalar_type() == out_value.scalar_type(), op, ": out_value: must have out_key's dtype ",
+  NVFP4_CHECK(out_key.scalar_type() == out_value.scalar_type(), op, ": out_value: must have out_key's dtype ",
                   out_key.scalar_type(), ", got ", out_value.scalar_type());
   const int64_t num_rows = out_key.size(0), batch = block_table.size(0);
   if (num_rows == 0 || batch == 0) return;
