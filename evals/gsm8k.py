@@ -8,8 +8,10 @@ The first KV dtype is the baseline; every other one is compared with it question
 passes, 1 when one fails, 2 on bad input (reported before any model loads).
 
 Prompts, answer extraction (`strict-match`, `flexible-extract`) and scoring are lm-eval's: the
-harness calls `lm_eval.simple_evaluate` on the stock `gsm8k` task, or, with --data-dir, on a task
-that includes the stock YAML and only swaps the data source for local jsonl files.
+harness calls `lm_eval.simple_evaluate` on the stock `gsm8k` task, or, with --data-dir and/or
+--fewshot-sampler first_n, on a task that includes the stock YAML and only swaps the data source
+for local jsonl files and/or the few-shot sampler. Then, without needing task accuracy, it measures
+the KV cache's next-token fidelity (vllm_nvfp4_plugin.fidelity) on the same prompts. See README.md.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from evals.stats import DEFAULT_RESAMPLES, DEFAULT_SEED, compare_paired
-
-logger = logging.getLogger("evals.gsm8k")
 
 TASK = "gsm8k"
 FILTERS = ("strict-match", "flexible-extract")
