@@ -90,7 +90,8 @@ class VllmServer:
         )
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """SIGTERM the server (it shuts its engine down), then SIGKILL its process group if needed."""
+        """SIGTERM the server (it shuts its engine down), then SIGKILL its process group; returns once
+        no process of the group is left."""
         if self.process is None:
             return
         group = self.process.pid
@@ -105,6 +106,15 @@ class VllmServer:
         except ProcessLookupError:
             pass
         self.process.wait()
+        # Orphaned children are reaped by init, not by us: wait until the group is really empty.
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(group, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"processes of vllm serve's group {group} remain {grace_s:.0f} s after SIGKILL")
 
     def log_tail(self, num_chars: int = 6000) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
