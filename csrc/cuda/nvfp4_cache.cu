@@ -82,7 +82,9 @@ __device__ __forceinline__ float group_amax(const Elements<GROUP, T>& x) {
   } else {
     using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
     const Pair* pairs = reinterpret_cast<const Pair*>(x.x);
-    Pair amax(T(0.0f), T(0.0f));  // the float form's start: a group of NaNs gives 0
+    Pair amax;  // starts at 0 like the float form: __hmax2 returns the non-NaN operand, so a group of NaNs gives 0
+    if constexpr (std::is_same_v<T, __half>) amax = __float2half2_rn(0.0f);
+    else amax = __float2bfloat162_rn(0.0f);
 #pragma unroll
     for (int i = 0; i < GROUP / 2; ++i) amax = __hmax2(amax, __habs2(pairs[i]));
     return fmaxf(to_float(amax.x), to_float(amax.y));
