@@ -5,9 +5,10 @@ starts), so every engine configuration gets a fresh interpreter:
 
     python tests/vllm_jobs.py '<json job>'   → prints one line "RESULT <json>"
 
-A job: {"model": dir, "llm": {LLM kwargs}, "max_tokens": n, "batches": [[prompt, ...], ...]}. Batches
-run one after another, so a later batch can hit the prefix cache an earlier one filled. A prompt is a
-string, or a list of chat messages (run through the model's chat template).
+A generation job: {"model": dir, "llm": {LLM kwargs}, "max_tokens": n, "batches": [[prompt, ...], ...]}.
+Batches run one after another, so a later batch can hit the prefix cache an earlier one filled. A prompt
+is a string, or a list of chat messages (run through the model's chat template).
+A fidelity job: {"fidelity": {teacher_forced_agreement kwargs}} → the FidelityResult's fields.
 """
 
 import json
@@ -30,6 +31,14 @@ def run_job(job: dict, env: dict[str, str], timeout: float) -> dict:
 
 
 def main(job: dict) -> None:
+    if "fidelity" in job:
+        from dataclasses import asdict
+
+        from vllm_nvfp4_plugin.fidelity import teacher_forced_agreement
+
+        print("RESULT " + json.dumps(asdict(teacher_forced_agreement(**job["fidelity"]))))
+        return
+
     from vllm import LLM, SamplingParams
 
     llm = LLM(job["model"], **job["llm"])
