@@ -14,6 +14,7 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -200,34 +201,27 @@ NVFP4_INLINE void store_token_impl(const T* x, int64_t head_stride, const NVFP4P
   if (lanes) flush();
 }
 
+// quant.h's e4m3_decode of every byte, so the gather reads a group's block scale with one load.
+const std::array<float, 256> E4M3_VALUES = [] {
+  std::array<float, 256> values{};
+  for (int code = 0; code < 256; ++code) values[code] = e4m3_decode(static_cast<uint8_t>(code));
+  return values;
+}();
+
 // Dequantizes the num_heads entries of one token of `side`: (e2m1 · SF) · global in float32, then cast.
 template <typename T>
 NVFP4_INLINE void load_token_impl(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,
                                   const int64_t* scale_delta, float global, T* out, int64_t head_stride) {
-  alignas(64) uint32_t sf_code[LANES] = {};
-  const uint8_t* data[LANES];
-  T* dst[LANES];
-  int lanes = 0;
-  auto flush = [&]() __attribute__((always_inline)) {
-    simd::u32x16 codes;
-    std::memcpy(&codes, sf_code, sizeof codes);
-    const simd::f32x16 sf = simd::e4m3_decode(codes);
-    for (int i = 0; i < lanes; ++i) simd::dequantize_group(data[i], sf[i], global, dst[i]);
-    lanes = 0;
-  };
   const int64_t r = token % 4, scale_dim = layout.scale_dim();
   for (int64_t h = 0; h < layout.num_heads; ++h) {
     const uint8_t* entry_data = side + layout.data_offset(token, h);
     const uint8_t* entry_scales = side + layout.scale_offset(token - r, h, 0, false);
     T* row = out + h * head_stride;
     for (int64_t s = 0; s < scale_dim; ++s) {
-      sf_code[lanes] = entry_scales[scale_delta[r * scale_dim + s]];
-      data[lanes] = entry_data + s * NVFP4_GROUP / 2;
-      dst[lanes] = row + s * NVFP4_GROUP;
-      if (++lanes == LANES) flush();
+      const float sf = E4M3_VALUES[entry_scales[scale_delta[r * scale_dim + s]]];
+      simd::dequantize_group(entry_data + s * NVFP4_GROUP / 2, sf, global, row + s * NVFP4_GROUP);
     }
   }
-  if (lanes) flush();
 }
 
 // Quantizes one indexer key (FORMATS.md §2) into its block: FP8 values, then the scales' bytes.
