@@ -6,9 +6,9 @@ tokens alike) into a float32 workspace, and attend with torch's SDPA. Every quer
 its keys and values through the quantized cache, whether it is a decode step, a prefill chunk over
 a cached prefix, or a whole prompt.
 
-Requests that decode one token are attended together (padded to the longest context, masked);
-requests with several query tokens (prefill, chunked prefill) one by one with a causal mask whose
-diagonal is offset by the context that precedes the chunk.
+Each request is attended on its own slice of the workspace (no padding, no copies): a decode step
+unmasked, a whole prompt with SDPA's causal mask, a chunk after cached context with a causal mask
+whose diagonal is offset by the context that precedes the chunk.
 """
 
 from __future__ import annotations
@@ -108,44 +108,22 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4
     kv_ops.gather_nvfp4_kv_cache(kv_cache[:, 0], kv_cache[:, 1], metadata.block_table, cu_seq_lens,
                                  k_scale, v_scale, swizzle_v_scales, key, value)
 
-    decodes = [r for r in range(metadata.num_reqs) if query_lens[r] == 1]
-    if decodes:
-        _decode(query, key, value, out, scale, [query_start[r] for r in decodes],
-                [context_start[r] for r in decodes], [seq_lens[r] for r in decodes])
     for r in range(metadata.num_reqs):
-        if query_lens[r] > 1:
+        if query_lens[r]:
             q_slice = slice(query_start[r], query_start[r + 1])
             kv_slice = slice(context_start[r], context_start[r + 1])
-            out[q_slice] = _prefill(query[q_slice], key[kv_slice], value[kv_slice], scale, metadata.causal)
+            out[q_slice] = _attend(query[q_slice], key[kv_slice], value[kv_slice], scale, metadata.causal)
     return out
 
 
-def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool):
+def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, causal: bool):
     """One request: `query` `[n, heads, head]` are the last n of the `[c, kv_heads, head]` context."""
     n, c = query.size(0), key.size(0)
     mask = None
-    if causal and n < c:  # query i sits at context position c - n + i and sees keys up to it
+    if causal and 1 < n < c:  # query i sits at context position c - n + i and sees keys up to it
         mask = torch.arange(c, device=query.device) <= torch.arange(n, device=query.device)[:, None] + (c - n)
     # 4-D inputs take torch's fused CPU kernel (3-D ones fall back to the unfused math path).
     o = F.scaled_dot_product_attention(query.transpose(0, 1).to(COMPUTE_DTYPE)[None], key.transpose(0, 1)[None],
-                                       value.transpose(0, 1)[None], attn_mask=mask, is_causal=causal and n == c,
+                                       value.transpose(0, 1)[None], attn_mask=mask, is_causal=causal and n == c > 1,
                                        scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
-
-
-def _decode(query, key, value, out, scale: float, query_rows: list[int], context_starts: list[int],
-            context_lens: list[int]) -> None:
-    """Single-token queries of several requests in one SDPA call, contexts padded to the longest."""
-    device = query.device
-    longest = max(context_lens)
-    positions = torch.arange(longest, device=device)
-    lens = torch.tensor(context_lens, device=device)
-    # Padding positions read some valid row; the mask hides them.
-    rows = (torch.tensor(context_starts, device=device)[:, None] + positions).clamp_(max=key.size(0) - 1)
-    keys = key[rows].transpose(1, 2)  # [reqs, kv_heads, longest, head]
-    values = value[rows].transpose(1, 2)
-    mask = (positions < lens[:, None])[:, None, None, :]
-    q_rows = torch.tensor(query_rows, device=device)
-    q = query[q_rows].to(COMPUTE_DTYPE).unsqueeze(2)  # [reqs, heads, 1, head]
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-    out[q_rows] = o.squeeze(2).to(out.dtype)
