@@ -54,7 +54,7 @@ def cache_layout(kv_cache: torch.Tensor, swizzle_v_scales: bool = False) -> NVFP
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
              k_scale: torch.Tensor, v_scale: torch.Tensor, swizzle_v_scales: bool = False) -> None:
     """Quantize the first `len(slot_mapping)` tokens of `key`/`value` `[n, kv_heads, head]` into their slots."""
-    cache_layout(kv_cache, swizzle_v_scales)
+    cache_layout(kv_cache, swizzle_v_scales)  # raises naming the rule a malformed cache breaks
     kv_ops.reshape_and_cache_nvfp4(key, value, kv_cache[:, 0], kv_cache[:, 1], slot_mapping,
                                    k_scale, v_scale, swizzle_v_scales)
 
