@@ -96,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bootstrap-resamples", type=int, default=DEFAULT_RESAMPLES)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of vLLM, lm-eval and the bootstrap")
     parser.add_argument("--dtype", default="bfloat16", help="model dtype (default bfloat16)")
-    parser.add_argument("--max-model-len", type=int, default=4096, help="20-shot prompts need ~4k tokens")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="default: the model's own limit (20-shot gsm8k prompts are ~4.2k tokens; longer ones are truncated)",
+    )
     parser.add_argument("--max-num-seqs", type=int, default=16, help="vLLM batch size (default 16)")
     parser.add_argument("--max-gen-toks", type=int, default=256, help="lm-eval's default for generate_until")
     parser.add_argument(
@@ -187,7 +192,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.fidelity_questions and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         raise UsageError("--fidelity-questions reads logits inside the engine: needs VLLM_ENABLE_V1_MULTIPROCESSING=0")
     for name in ("max_model_len", "max_num_seqs", "max_gen_toks"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if args.data_dir is not None:
         missing = [name for name in ("test.jsonl", "train.jsonl") if not (args.data_dir / name).is_file()]
@@ -258,6 +263,7 @@ class Run:
     questions: list  # per question: doc_id, prompt_hash, target, response, per filter outcome
     prompts: dict[int, str] = field(repr=False)  # doc_id -> lm-eval's full prompt (few-shot context included)
     lm_eval_results: dict = field(repr=False)  # lm-eval's results/versions/n-shot for make_table
+    truncated_prompts: int = 0  # prompts lm-eval cut from the left to fit max_model_len
 
     def outcomes(self, filter_name: str) -> dict[int, int]:
         return {q["doc_id"]: q[filter_name] for q in self.questions}
@@ -336,7 +342,11 @@ def run_all(args: argparse.Namespace, manager) -> list[Run]:
                     torch_random_seed=args.seed,
                     fewshot_random_seed=args.seed,
                 )
-                runs.append(collect_run(kv_cache_dtype, shots, time.perf_counter() - start, results))
+                run = collect_run(kv_cache_dtype, shots, time.perf_counter() - start, results)
+                # lm-eval only logs a warning when it cuts a prompt to fit; count them into the report
+                lengths = map(len, lm.tok_encode(list(run.prompts.values())))
+                run.truncated_prompts = sum(n + args.max_gen_toks > lm.max_length for n in lengths)
+                runs.append(run)
                 bar.update(1)
             # free this engine (its KV cache, its process group) before the next one starts
             lm.model.llm_engine.engine_core.shutdown()
@@ -465,6 +475,15 @@ def markdown_report(
             f"|{row['mcnemar_p']:.4f}|{'pass' if row['passed'] else 'FAIL'}|"
         )
     lines += ["", f"**Verdict: {'PASS' if passed else 'FAIL'}** (every row must pass: CI low ≥ −tolerance)", ""]
+    for run in runs:
+        if run.truncated_prompts:
+            lines += [
+                (
+                    f"Warning: kv={run.kv_cache_dtype} {run.num_fewshot}-shot: {run.truncated_prompts} prompts were "
+                    "truncated from the left to fit max_model_len (raise --max-model-len)"
+                ),
+                "",
+            ]
     if fidelity:
         lines += [
             (
@@ -548,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                 "num_fewshot": r.num_fewshot,
                 "seconds": round(r.seconds, 1),
                 "n": len(r.questions),
+                "truncated_prompts": r.truncated_prompts,
                 "metrics": r.metrics,
                 "questions": r.questions,
             }

@@ -124,6 +124,7 @@ def test_end_to_end_bf16_vs_nvfp4_on_smollm2(tmp_path, smollm2):
     upstream = [json.loads(line) for line in (DATA / "test.jsonl").read_text().splitlines()[:3]]
     for run in runs.values():
         assert [q["doc_id"] for q in run["questions"]] == [0, 1, 2]
+        assert run["truncated_prompts"] == 0
         assert [q["target"] for q in run["questions"]] == [row["answer"] for row in upstream]
         for name in gsm8k.FILTERS:
             outcomes = [q[name] for q in run["questions"]]
