@@ -180,7 +180,9 @@ NVFP4_INLINE void store_token_impl(const T* x, int64_t head_stride, const NVFP4P
     std::memcpy(&amax_vector, amax, sizeof amax_vector);
     const simd::u32x16 sf = simd::e4m3_encode(simd::as_f32(amax_vector) * ONE_SIXTH * inv_global);
     const simd::f32x16 sf_value = simd::e4m3_decode(sf);
-    simd::store16(sf_value == 0.0f ? simd::f32x16{} : 1.0f / (sf_value * global), out_scale);
+    const simd::u32x16 zero_scale = simd::greater_mask(simd::i32x16{} + 1, simd::as_i32(simd::as_u32(sf_value)));
+    simd::store16(simd::as_f32(simd::select(zero_scale, simd::u32x16{}, simd::as_u32(1.0f / (sf_value * global)))),
+                  out_scale);
     for (int i = 0; i < lanes; ++i) *scale[i] = static_cast<uint8_t>(sf[i]);
     encode(src, out_scale, data, lanes);
     lanes = 0;

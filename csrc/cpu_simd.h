@@ -32,6 +32,20 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 SIMD_INLINE f32x16 as_f32(u32x16 u) { return __builtin_bit_cast(f32x16, u); }
 SIMD_INLINE u32x16 as_u32(f32x16 f) { return __builtin_bit_cast(u32x16, f); }
 
+template <typename V>
+SIMD_INLINE V max(V a, V b) { return a > b ? a : b; }
+template <typename V>
+SIMD_INLINE V min(V a, V b) { return a < b ? a : b; }
+
+// All-ones lanes where a > b, zero elsewhere (a - b must not overflow: callers compare non-negative values).
+// Built from max/min, not a comparison: GCC 12 turns comparisons of 64-byte vectors into scalar code when
+// only AVX2 is enabled, while max/min it vectorizes.
+SIMD_INLINE u32x16 greater_mask(i32x16 a, i32x16 b) {
+  return __builtin_bit_cast(u32x16, -min(max(a - b, i32x16{}), i32x16{} + 1));
+}
+SIMD_INLINE i32x16 as_i32(u32x16 u) { return __builtin_bit_cast(i32x16, u); }
+SIMD_INLINE u32x16 select(u32x16 mask, u32x16 yes, u32x16 no) { return (yes & mask) | (no & ~mask); }
+
 // --- dtype <-> float32 (exact widening; rounding narrowing like torch's .to()) -------------------
 SIMD_INLINE f32x16 load16(const float* p) {
   f32x16 v;
@@ -51,19 +65,27 @@ SIMD_INLINE f32x16 load16(const c10::Half* p) {
 
 SIMD_INLINE void store16(f32x16 v, float* p) { std::memcpy(p, &v, sizeof v); }
 // Round to nearest even like c10::BFloat16(float); NaN -> 0x7FC0.
-SIMD_INLINE void store16(f32x16 v, c10::BFloat16* p) {
+SIMD_INLINE u32x16 bf16_bits_of_numbers(f32x16 v) {  // right for every lane that is not NaN
   const u32x16 u = as_u32(v);
-  const u32x16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const u16x16 out = __builtin_convertvector(v != v ? 0x7FC0u : rounded, u16x16);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+SIMD_INLINE void store16(f32x16 v, c10::BFloat16* p) {
+  const u32x16 nan = greater_mask(as_i32(as_u32(v) & 0x7FFFFFFFu), i32x16{} + 0x7F800000);
+  const u16x16 out = __builtin_convertvector(select(nan, u32x16{} + 0x7FC0u, bf16_bits_of_numbers(v)), u16x16);
+  std::memcpy(p, &out, sizeof out);
+}
+// store16 for lanes the caller knows hold no NaN.
+SIMD_INLINE void store16_numbers(f32x16 v, c10::BFloat16* p) {
+  const u16x16 out = __builtin_convertvector(bf16_bits_of_numbers(v), u16x16);
   std::memcpy(p, &out, sizeof out);
 }
 SIMD_INLINE void store16(f32x16 v, c10::Half* p) {
   for (int i = 0; i < 16; ++i) p[i] = c10::Half(v[i]);
 }
+template <typename T>  // float and half: no NaN fix-up to skip
+SIMD_INLINE void store16_numbers(f32x16 v, T* p) { store16(v, p); }
 
 // --- group helpers --------------------------------------------------------------------------------
-template <typename V>
-SIMD_INLINE V max(V a, V b) { return a > b ? a : b; }
 
 // Pairwise maxima across lanes; every lane ends up holding the maximum. Signed lanes (the values are
 // non-negative) because AVX2 has no unsigned 32-bit compare.
@@ -118,7 +140,11 @@ SIMD_INLINE void dequantize_group(const uint8_t* bytes, float sf, float global, 
 template <typename T>
 SIMD_INLINE void dequantize_group(const uint8_t* bytes, float sf, float global, T* out) {
   alignas(64) T table[16];
-  store16(E2M1_VALUES * sf * global, table);
+  // E2M1 values are finite, so the products hold no NaN when the scales are finite (inf rounds as a number).
+  if (__builtin_isfinite(sf) && __builtin_isfinite(global))
+    store16_numbers(E2M1_VALUES * sf * global, table);
+  else
+    store16(E2M1_VALUES * sf * global, table);
   u16x16 table_bits;
   std::memcpy(&table_bits, table, sizeof table_bits);
   const u16x16 values = __builtin_shuffle(table_bits, unpack_codes16(bytes));
@@ -147,12 +173,11 @@ SIMD_INLINE u32x16 e4m3_encode(f32x16 x) {
   const u32x16 bits = as_u32(x);
   const u32x16 sign = (bits >> 24) & 0x80u;
   const u32x16 mag = bits & 0x7FFFFFFFu;
-  const i32x16 signed_mag = __builtin_bit_cast(i32x16, mag);  // compared signed: AVX2 has no unsigned compare
   const u32x16 normal = ((mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
   const u32x16 subnormal = as_u32(as_f32(mag) + 16384.0f) - 0x46800000u;  // bits of 2^14
-  u32x16 code = signed_mag < 0x3C800000 ? subnormal : normal;
-  code = signed_mag >= 0x43E00000 ? 0x7Eu : code;
-  code = signed_mag > 0x7F800000 ? 0x7Fu : code;
+  u32x16 code = select(greater_mask(i32x16{} + 0x3C800000, as_i32(mag)), subnormal, normal);  // below 2^-6
+  code = select(greater_mask(as_i32(mag), i32x16{} + 0x43DFFFFF), u32x16{} + 0x7Eu, code);       // >= 448
+  code = select(greater_mask(as_i32(mag), i32x16{} + 0x7F800000), u32x16{} + 0x7Fu, code);       // NaN
   return sign | code;
 }
 
@@ -162,8 +187,9 @@ SIMD_INLINE f32x16 e4m3_decode(u32x16 code) {
   const u32x16 exp = (code >> 3) & 0xFu, man = code & 7u;
   const u32x16 normal = ((exp + 120u) << 23) | (man << 20);
   const u32x16 subnormal = as_u32(__builtin_convertvector(man, f32x16) * 0.001953125f);
-  const u32x16 mag = exp == 0u ? subnormal : normal;
-  return as_f32(sign | ((code & 0x7Fu) == 0x7Fu ? 0x7FC00000u : mag));
+  const u32x16 mag = select(greater_mask(i32x16{} + 1, as_i32(exp)), subnormal, normal);  // exponent 0
+  const u32x16 nan = greater_mask(as_i32(code & 0x7Fu), i32x16{} + 0x7E);
+  return as_f32(sign | select(nan, u32x16{} + 0x7FC00000u, mag));
 }
 
 #undef SIMD_INLINE
