@@ -139,6 +139,27 @@ def test_gather_of_no_tokens_writes_nothing(device):
     assert (args["out_key"] == 12345.0).all() and (args["out_value"] == 12345.0).all()
 
 
+@pytest.mark.parametrize("out_dtype", FLOAT_DTYPES, ids=str)
+def test_gather_nan_scales_give_nan_groups(device, out_dtype):
+    """A NaN block scale (E4M3 0x7F/0xFF) makes its group NaN and nothing else. NaN bit patterns are not
+    compared: torch's own casts do not agree on them (a NaN becomes bf16 0xFFFF or 0x7FC0 by code path)."""
+    case = NVFP4Case(head_size=64, num_heads=2, block_size=4, num_blocks=3, dtype=out_dtype, seed=9)
+    args = nvfp4_gather_inputs(case, [5, 7], device)
+    expected = nvfp4_gather_inputs(case, [5, 7], "cpu")
+    for inputs in (args, expected):
+        layout = NVFP4PageLayout.from_side_cache(inputs["key_cache"])
+        for side, code in ((inputs["key_cache"], 0x7F), (inputs["value_cache"], 0xFF)):
+            flat = layout.side_bytes_view(side)
+            flat[:, layout.scale_offset(1, 0, 2)] = code  # in every block
+            flat[:, layout.scale_offset(3, 1, 0)] = code
+    ops.gather_nvfp4_kv_cache(**args)
+    reference.gather_nvfp4_kv_cache(**expected)
+    for name in ("out_key", "out_value"):
+        got, want = args[name].cpu(), expected[name]
+        assert torch.equal(got.isnan(), want.isnan()) and want.isnan().any()
+        assert torch.equal(bits(got[~got.isnan()]), bits(want[~want.isnan()]))
+
+
 @LAYOUTS
 @V_SCALES
 def test_store_then_gather_round_trip(device, hnd, swizzle):
