@@ -37,7 +37,7 @@ def run_store(case: NVFP4Case, device, fill=0xA5):
 @DTYPES
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 def test_store_matches_reference(device, hnd, swizzle, dtype, head_size):
-    seed = hash((hnd, swizzle, str(dtype), head_size)) % 1000
+    seed = head_size + 7 * hnd + 13 * swizzle + 31 * FLOAT_DTYPES.index(dtype)  # varies the other parameters
     case = NVFP4Case(head_size=head_size, num_heads=1 + seed % 4, block_size=16 if seed % 2 else 32,
                      num_blocks=5, num_tokens=60, dtype=dtype, hnd=hnd, swizzle_v_scales=swizzle,
                      row_pad=16 * (seed % 3), block_pad=seed % 2 * 40, seed=seed)
