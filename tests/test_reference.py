@@ -116,3 +116,22 @@ def test_indexer_layout_and_scale_formats():
     assert torch.equal(values_mx, reference.indexer_quantize(k, 128, "ue8m0")[0])
     with pytest.raises(ValueError, match="scale_fmt"):
         reference.indexer_quantize(k, 128, "fp8")
+
+
+def test_reference_with_nothing_to_do_writes_nothing():
+    """All slots negative / empty sequences: the oracle, like the ops, leaves the caches untouched."""
+    layout = NVFP4PageLayout(128, 16, 2)
+    kv = layout.allocate(3, fill=0xA5)
+    x = torch.randn(4, 2, 128, dtype=torch.bfloat16)
+    one = torch.tensor(1.0)
+    reference.reshape_and_cache_nvfp4(x, x, kv[:, 0], kv[:, 1], torch.full((4,), -1), one, one, False)
+    assert bool((kv == 0xA5).all())
+    out = torch.full((5, 2, 128), 7.0)
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    reference.gather_nvfp4_kv_cache(kv[:, 0], kv[:, 1], table, torch.zeros(3, dtype=torch.int32), one, one, False,
+                                    out, out.clone())
+    assert bool((out == 7.0).all())
+    indexer = IndexerCacheLayout(128, 64, 128)
+    cache = indexer.allocate(2, fill=0x5A)
+    reference.indexer_k_quant_and_cache(torch.randn(3, 128), cache, torch.full((3,), -1), 128, "ue8m0")
+    assert bool((cache == 0x5A).all())

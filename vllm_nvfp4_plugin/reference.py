@@ -45,13 +45,13 @@ def nvfp4_encode(x: torch.Tensor, global_scale) -> tuple[torch.Tensor, torch.Ten
     `global_scale` is the dequant scale: x ≈ e2m1(code) · SF · global.
     """
     g = _f32(global_scale).to(x.device)
-    groups = x.to(_F32).reshape(*x.shape[:-1], -1, NVFP4_GROUP)
+    groups = x.to(_F32).reshape(*x.shape[:-1], x.shape[-1] // NVFP4_GROUP, NVFP4_GROUP)
     amax = groups.abs().amax(-1)
     one_sixth = _f32(1.0) / _f32(6.0)
     sf = e4m3(amax * one_sixth.to(x.device) * (1.0 / g))
     sf_f = sf.to(_F32)
     out_scale = torch.where(sf_f == 0, torch.zeros_like(sf_f), 1.0 / (sf_f * g))
-    codes = e2m1_encode(groups * out_scale.unsqueeze(-1)).reshape(*x.shape[:-1], -1)
+    codes = e2m1_encode(groups * out_scale.unsqueeze(-1)).reshape(x.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # low nibble = even element
     return packed, sf
 
@@ -59,8 +59,9 @@ def nvfp4_encode(x: torch.Tensor, global_scale) -> tuple[torch.Tensor, torch.Ten
 def nvfp4_decode(packed: torch.Tensor, sf: torch.Tensor, global_scale, dtype=torch.float32) -> torch.Tensor:
     """Inverse of `nvfp4_encode`: (e2m1 · SF) · global in float32, then cast to `dtype`."""
     g = _f32(global_scale).to(packed.device)
-    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], -1)
-    vals = e2m1_decode(codes).reshape(*codes.shape[:-1], -1, NVFP4_GROUP)
+    head_size = packed.shape[-1] * 2
+    codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).reshape(*packed.shape[:-1], head_size)
+    vals = e2m1_decode(codes).reshape(*packed.shape[:-1], head_size // NVFP4_GROUP, NVFP4_GROUP)
     vals = vals * sf.view(torch.float8_e4m3fn).to(_F32).unsqueeze(-1)
     return (vals * g).reshape(*codes.shape).to(dtype)
 
@@ -141,9 +142,9 @@ def indexer_quantize(k: torch.Tensor, quant_block_size: int, scale_fmt: str):
     values = e4m3(blocks / scale.unsqueeze(-1)).reshape(n, head_dim).view(torch.uint8)
     if scale_fmt == "mxfp8":  # the UE8M0 exponent byte, four times
         ue8m0 = (exp + 127).to(torch.uint8)
-        scale_bytes = ue8m0.unsqueeze(-1).expand(n, ue8m0.shape[1], 4).reshape(n, -1)
+        scale_bytes = ue8m0.unsqueeze(-1).expand(n, ue8m0.shape[1], 4).reshape(n, ue8m0.shape[1] * 4)
     else:
-        scale_bytes = scale.contiguous().view(torch.uint8).reshape(n, -1)
+        scale_bytes = scale.contiguous().view(torch.uint8).reshape(n, scale.shape[1] * 4)
     return values, scale_bytes
 
 
