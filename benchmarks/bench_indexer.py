@@ -14,7 +14,6 @@ cache is 4.6× the 60 MB L2. Prints a markdown table; `--out FILE` writes it the
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -22,22 +21,12 @@ import vllm_nvfp4_plugin.ops  # noqa: F401  (registers torch.ops.vllm_nvfp4)
 from vllm_nvfp4_plugin.indexer import core
 from vllm_nvfp4_plugin.layout import IndexerCacheLayout
 
+from cuda_timing import event_median_ms as median_ms
+
 BATCH, CONTEXT, HEADS, TOPK, QUERY = 64, 32768, 64, 2048, 8192
 LAYOUT = IndexerCacheLayout(128, 64, 128)
 BANDWIDTH, BF16_FLOPS = 4.2e12, 790e12
 DEVICE = torch.device("cuda")
-
-
-def median_ms(fn, reps: int = 7) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def graph_ms(fn, repeat: int = 4) -> float:
@@ -52,7 +41,7 @@ def graph_ms(fn, repeat: int = 4) -> float:
         for _ in range(repeat):
             fn()
     graph.replay()
-    return median_ms(graph.replay) / repeat
+    return median_ms(graph.replay, 7) / repeat
 
 
 def eager_ms(fn) -> float:

@@ -17,7 +17,6 @@ Prints a markdown table; `--out FILE` writes it there too.
 from __future__ import annotations
 
 import argparse
-import statistics
 from collections import Counter
 
 import torch
@@ -26,21 +25,11 @@ from vllm_nvfp4_plugin import ops, reference
 from vllm_nvfp4_plugin.attention.flashinfer_reader import nvfp4_flashinfer_views
 from vllm_nvfp4_plugin.layout import IndexerCacheLayout, NVFP4PageLayout
 
+from cuda_timing import event_median_ms as median_ms
+
 HEADS, HEAD, PAGE = 8, 128, 16
 INDEXER = IndexerCacheLayout(128, 64, 128)
 DEVICE = torch.device("cuda")
-
-
-def median_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def graph_ms(calls: list, repeat: int = 4, reps: int = 20) -> float:

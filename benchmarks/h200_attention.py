@@ -10,7 +10,6 @@ Prints a markdown table; `--out FILE` also writes it there.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -18,6 +17,8 @@ from vllm_nvfp4_plugin import ops
 from vllm_nvfp4_plugin.attention import DequantWorkspace, NVFP4AttentionMetadata, paged_attention, store_kv
 from vllm_nvfp4_plugin.attention.flashinfer_reader import FlashInferNVFP4Decoder
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
+
+from cuda_timing import event_median_ms as _median_ms
 
 COPY_BANDWIDTH = 4.2e12  # bytes/s, device-to-device copy measured on this H200 (GPU.md)
 
@@ -51,18 +52,6 @@ def eager_median_ms(fn, reps=15) -> float:
     for _ in range(3):
         fn()
     return _median_ms(fn, reps)
-
-
-def _median_ms(fn, reps) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main():
