@@ -5,31 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
 #include "layout.h"
+#include "quant.h"  // float_bits
 
 namespace vllm_nvfp4 {
-
-NVFP4_HD inline uint32_t bits_of(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return u;
-#endif
-}
-
-NVFP4_HD inline float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, 4);
-  return x;
-#endif
-}
 
 // The E2M1 magnitude code of |v| (nearest, ties to the even code, saturating at 6: FORMATS.md §1) in the low
 // 3 bits of the result; bit 3 is clear and the bits above are 0x4B000000's. A NaN gets code 7 on the GPU.
@@ -44,18 +24,18 @@ NVFP4_HD inline uint32_t e2m1_magnitude_bits(float v) {
 #if defined(__CUDA_ARCH__)
   const float fine = __fmaf_rn(a, 2.0f, 8388608.0f);  // 2a and a/2 are exact: one rounding, as on the host
   const float coarse = __fmaf_rn(fminf(a, 6.0f), 0.5f, 8388612.0f);
-  return __vimin3_u32(bits_of(fine), bits_of(a + 8388610.0f), bits_of(coarse));
+  return __vimin3_u32(float_bits(fine), float_bits(a + 8388610.0f), float_bits(coarse));
 #else
   const float fine = 2.0f * a + 8388608.0f, coarse = 0.5f * fminf(a, 6.0f) + 8388612.0f;
-  const uint32_t finer = std::min(bits_of(fine), bits_of(a + 8388610.0f));
-  return std::min(finer, bits_of(coarse));
+  const uint32_t finer = std::min(float_bits(fine), float_bits(a + 8388610.0f));
+  return std::min(finer, float_bits(coarse));
 #endif
 }
 
 // E2M1 code of `v` with its sign in bit 3. Bit-identical to quant.h's comparison ladder e2m1_encode for every
 // non-NaN float (the exhaustive test checks all of them).
 NVFP4_HD inline uint32_t e2m1_code(float v) {
-  return (e2m1_magnitude_bits(v) & 7u) | ((bits_of(v) >> 28) & 8u);
+  return (e2m1_magnitude_bits(v) & 7u) | ((float_bits(v) >> 28) & 8u);
 }
 
 }  // namespace vllm_nvfp4
