@@ -4,9 +4,6 @@ vLLM calls `register()` (entry point `vllm.general_plugins`) in every process it
 idempotent and cheap: it only imports the adapters and registers them with vLLM's registries.
 """
 
-import logging
-
-logger = logging.getLogger("vllm_nvfp4_plugin")
 _registered = False
 
 
