@@ -4,7 +4,8 @@
 
 For each op, "bytes" is what the op must read plus write (activations, cache entries, indices); the
 memcpy row copies half that many bytes, so it moves the same total. Sizes are tens of MB, beyond any L2.
-CPU: median wall time of repeated calls. CUDA: each op is captured in a CUDA graph and the median of
+CPU: median wall time of repeated calls, and the median CPU time of the process per work item (a 16-element
+group, an indexer token), which machine load barely moves (with one thread; with more it includes spin-waits). CUDA: each op is captured in a CUDA graph and the median of
 event-timed replays is taken. Op and memcpy runs alternate, so machine load hits both alike. Another
 writer can join a table as a peer `Bench` (see `benches`).
 """
@@ -34,6 +35,8 @@ class Bench:
     bytes: int  # read + written
     run: Callable[[], None]
     goal: float | None = None  # fraction of memcpy bandwidth aimed at
+    units: int = 0  # work items of one call, for CPU time per item: 16-element groups or indexer tokens
+    unit: str = ""
 
 
 def block_major_slots(num_tokens: int, block_size: int, num_blocks: int, g: torch.Generator) -> torch.Tensor:
@@ -67,13 +70,15 @@ def benches(device: str, dtype=torch.bfloat16) -> list[Bench]:
     cache_bytes = tokens * layout.page_bytes // block_size
     out.append(Bench("reshape_and_cache_nvfp4", act_bytes + cache_bytes + slots.numel() * 8,
                      lambda: ops.reshape_and_cache_nvfp4(key, value, kv_cache[:, 0], kv_cache[:, 1], slots, scale,
-                                                         scale, False), goal=0.5))
+                                                         scale, False), goal=0.5,
+                     units=2 * key.numel() // 16, unit="group"))
     table, cu = gather_tables(8, tokens // 8, block_size, num_blocks, g)
     table, cu = table.to(device), cu.to(device)
     out_key, out_value = torch.empty_like(key), torch.empty_like(value)
     out.append(Bench("gather_nvfp4_kv_cache", act_bytes + cache_bytes + table.numel() * 4,
                      lambda: ops.gather_nvfp4_kv_cache(kv_cache[:, 0], kv_cache[:, 1], table, cu, scale, scale, False,
-                                                       out_key, out_value), goal=0.7))
+                                                       out_key, out_value), goal=0.7,
+                     units=2 * key.numel() // 16, unit="group"))
 
     # Indexer K cache: head_dim 128, block 64, 128k tokens (32 MiB of bf16 in, 16.5 MiB cache out).
     ilayout = IndexerCacheLayout(128, 64, 128)
@@ -84,13 +89,15 @@ def benches(device: str, dtype=torch.bfloat16) -> list[Bench]:
     islots = block_major_slots(itokens, ilayout.block_size, inum_blocks, g).to(device)
     icache_bytes = itokens * ilayout.row_bytes
     out.append(Bench("indexer_k_quant_and_cache", k.numel() * k.element_size() + icache_bytes + islots.numel() * 8,
-                     lambda: ops.indexer_k_quant_and_cache(k, icache, islots, 128, "ue8m0"), goal=0.5))
+                     lambda: ops.indexer_k_quant_and_cache(k, icache, islots, 128, "ue8m0"), goal=0.5,
+                     units=itokens, unit="token"))
     itable, icu = gather_tables(16, itokens // 16, ilayout.block_size, inum_blocks, g)
     itable, icu = itable.to(device), icu.to(device)
     dst_k = torch.empty(itokens, ilayout.head_dim, dtype=torch.uint8, device=device)
     dst_scale = torch.empty(itokens, ilayout.scale_bytes, dtype=torch.uint8, device=device)
     out.append(Bench("cp_gather_indexer_k_quant_cache", 2 * icache_bytes + itable.numel() * 4,
-                     lambda: ops.cp_gather_indexer_k_quant_cache(icache, dst_k, dst_scale, itable, icu), goal=0.7))
+                     lambda: ops.cp_gather_indexer_k_quant_cache(icache, dst_k, dst_scale, itable, icu), goal=0.7,
+                     units=itokens, unit="token"))
     return out
 
 
@@ -105,14 +112,15 @@ def memcpy_bench(total_bytes: int, device: str) -> Bench:
     return Bench("memcpy", 2 * src.numel(), lambda: torch.bitwise_or(src32, 0, out=dst32))
 
 
-def timer(fn: Callable[[], None], device: str) -> Callable[[], float]:
-    """A function that runs `fn` once and returns its seconds (CUDA: a replay of `fn` captured in a graph)."""
+def timer(fn: Callable[[], None], device: str) -> Callable[[], tuple[float, float]]:
+    """A function that runs `fn` once and returns its (wall, CPU) seconds (CUDA: a replay of `fn` captured in a
+    graph, CPU time NaN)."""
     fn()  # warm up (and first-touch the outputs)
     if device == "cpu":
-        def run_cpu() -> float:
-            start = time.perf_counter()
+        def run_cpu() -> tuple[float, float]:
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
-            return time.perf_counter() - start
+            return time.perf_counter() - start, time.process_time() - start_cpu
         return run_cpu
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -122,21 +130,23 @@ def timer(fn: Callable[[], None], device: str) -> Callable[[], float]:
             fn()
     torch.cuda.synchronize()
 
-    def run_cuda() -> float:
+    def run_cuda() -> tuple[float, float]:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return start.elapsed_time(end) / 1e3, float("nan")
     return run_cuda
 
 
 def paired_medians(fn: Callable[[], None], copy: Callable[[], None], device: str, repeats: int):
-    """Median seconds of `fn` and of `copy`, timed alternately so a busy machine slows both alike."""
+    """Median wall seconds of `fn` and of `copy`, timed alternately so a busy machine slows both alike, and the
+    median CPU seconds of `fn`."""
     run, run_copy = timer(fn, device), timer(copy, device)
     pairs = [(run(), run_copy()) for _ in range(repeats)]
-    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+    return (statistics.median(p[0][0] for p in pairs), statistics.median(p[1][0] for p in pairs),
+            statistics.median(p[0][1] for p in pairs))
 
 
 def device_name(device: str) -> str:
@@ -147,23 +157,27 @@ def device_name(device: str) -> str:
     return f"{model}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
 
 
-def measure(device: str, repeats: int) -> list[tuple[Bench, float, float]]:
-    """(bench, GB/s, memcpy GB/s of the same bytes) for every op, the memcpy timed alternately with the op."""
+def measure(device: str, repeats: int) -> list[tuple[Bench, float, float, float]]:
+    """(bench, GB/s, memcpy GB/s of the same bytes, CPU ns per work item) for every op, the memcpy timed
+    alternately with the op."""
     rows = []
     for bench in benches(device):
         copy = memcpy_bench(bench.bytes, device)
-        seconds, copy_seconds = paired_medians(bench.run, copy.run, device, repeats)
-        rows.append((bench, bench.bytes / seconds / 1e9, copy.bytes / copy_seconds / 1e9))
+        seconds, copy_seconds, cpu_seconds = paired_medians(bench.run, copy.run, device, repeats)
+        rows.append((bench, bench.bytes / seconds / 1e9, copy.bytes / copy_seconds / 1e9,
+                     cpu_seconds / bench.units * 1e9 if bench.units else float("nan")))
         del copy
     return rows
 
 
-def table(rows) -> str:
-    lines = ["| op | MB read+written | GB/s | memcpy GB/s | % of memcpy | goal |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for bench, gbps, copy_gbps in rows:
+def table(rows, device: str) -> str:
+    cpu = device == "cpu"
+    lines = ["| op | MB read+written | GB/s | memcpy GB/s | % of memcpy | goal |" + (" CPU time per item |" if cpu else ""),
+             "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if cpu else "")]
+    for bench, gbps, copy_gbps, cpu_ns in rows:
         goal = f"{bench.goal:.0%}" if bench.goal else ""
         lines.append(f"| {bench.name} | {bench.bytes / 1e6:.1f} | {gbps:.2f} | {copy_gbps:.2f} | "
-                     f"{gbps / copy_gbps:.0%} | {goal} |")
+                     f"{gbps / copy_gbps:.0%} | {goal} |" + (f" {cpu_ns:.2f} ns/{bench.unit} |" if cpu else ""))
     return "\n".join(lines)
 
 
@@ -183,7 +197,7 @@ def main():
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     block = (f"### {args.device} · commit {commit} · {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
              f"{device_name(args.device)}; load average {load}; median of {args.repeats}."
-             f"{' ' + args.note if args.note else ''}\n\n{table(rows)}\n")
+             f"{' ' + args.note if args.note else ''}\n\n{table(rows, args.device)}\n")
     if args.device == "cuda":  # the issue's target shapes, beside a copy and (when installed) FlashInfer's writer
         import bench_ops_cuda
         block += "\n" + bench_ops_cuda.report(importlib.util.find_spec("flashinfer") is not None, False) + "\n"

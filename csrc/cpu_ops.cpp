@@ -36,6 +36,8 @@ constexpr float ONE_SIXTH = 1.0f / 6.0f;  // float32, as the reference's f32(1) 
 // Below this many elements (or bytes, for the indexer gather) a call runs on one thread: waking the
 // OpenMP team costs more than the work (a decode step stores one token per sequence).
 constexpr int64_t PARALLEL_MIN_WORK = 1 << 15;
+// Rows of a gather one OpenMP task copies (a run of rows in one block is one copy).
+constexpr int64_t ROWS_PER_TASK = 256;
 
 template <typename Fn>
 void dispatch_float_types(ScalarType type, Fn&& fn) {
@@ -226,6 +228,14 @@ NVFP4_INLINE void load_token_impl(const uint8_t* side, const NVFP4PageLayout& la
   }
 }
 
+// ceil(log2 scale) as the reference gets it from frexp: the exponent of a positive normal scale, plus one unless
+// the scale is a power of two; 0 for inf and NaN (frexp's exponent for them).
+inline int ceil_log2(float scale) {
+  const uint32_t bits = float_bits(scale);
+  if ((bits >> 23) == 0xFFu) return 0;
+  return static_cast<int>(bits >> 23) - 127 + ((bits & 0x7FFFFFu) != 0);
+}
+
 // Quantizes one indexer key (FORMATS.md §2) into its block: FP8 values, then the scales' bytes.
 template <typename T>
 NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,
@@ -239,19 +249,26 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
     uint32_t amax = simd::reduce_max(amax_vector)[0];
     for (int64_t e = vector_end; e < qbs; ++e) amax = std::max(amax, float_bits(static_cast<float>(xj[e])) & 0x7FFFFFFFu);
     float scale = std::max(float_from_bits(amax), 1e-4f) / E4M3_MAX;
-    int exponent = 0;
-    if (fmt != ScaleFormat::Float32) {  // round up to a power of two: 2^ceil(log2 scale)
-      const float mantissa = std::frexp(scale, &exponent);  // scale = mantissa · 2^exponent, mantissa in [0.5, 1)
-      if (mantissa == 0.5f) exponent -= 1;
-      scale = std::ldexp(1.0f, exponent);
-    }
     uint8_t* values = block + layout.value_offset(offset) + j * qbs;
-    for (int64_t e = 0; e < vector_end; e += LANES) {
-      const simd::u8x16 codes = __builtin_convertvector(simd::e4m3_encode(simd::load16(xj + e) / scale), simd::u8x16);
-      std::memcpy(values + e, &codes, sizeof codes);
-    }
-    for (int64_t e = vector_end; e < qbs; ++e) values[e] = e4m3_encode(static_cast<float>(xj[e]) / scale);
+    auto encode = [&](auto scaled) __attribute__((always_inline)) {
+      for (int64_t e = 0; e < vector_end; e += LANES) {
+        simd::u8x16 codes = __builtin_convertvector(simd::e4m3_encode(scaled(simd::load16(xj + e))), simd::u8x16);
+        asm("" : "+v"(codes));  // narrow in a register: Zen 4 narrows into memory (VPMOVDB m128) slowly
+        std::memcpy(values + e, &codes, sizeof codes);
+      }
+      for (int64_t e = vector_end; e < qbs; ++e) values[e] = e4m3_encode(scaled(static_cast<float>(xj[e])));
+    };
     uint8_t* scale_out = block + layout.scale_offset(offset, j);
+    if (fmt == ScaleFormat::Float32) {
+      encode([scale](auto v) { return v / scale; });
+      std::memcpy(scale_out, &scale, 4);
+      continue;
+    }
+    // Rounded up to a power of two 2^exponent, so multiplying by 2^-exponent divides exactly.
+    const int exponent = ceil_log2(scale);
+    scale = float_from_bits(static_cast<uint32_t>(exponent + 127) << 23);
+    const float inverse = float_from_bits(static_cast<uint32_t>(127 - exponent) << 23);
+    encode([inverse](auto v) { return v * inverse; });
     if (fmt == ScaleFormat::MXFP8)
       std::memset(scale_out, exponent + 127, 4);  // the UE8M0 exponent byte, four times
     else
@@ -394,6 +411,15 @@ void indexer_k_quant_and_cache_cpu(const Tensor& k, Tensor& kv_cache, const Tens
   });
 }
 
+// Copies n rows of row_bytes, packed at src, to rows dst_stride apart.
+void copy_rows(const uint8_t* src, int64_t row_bytes, int64_t n, uint8_t* dst, int64_t dst_stride) {
+  if (dst_stride == row_bytes) {
+    std::memcpy(dst, src, n * row_bytes);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) std::memcpy(dst + i * dst_stride, src + i * row_bytes, row_bytes);
+}
+
 void cp_gather_indexer_k_quant_cache_cpu(const Tensor& kv_cache, Tensor& dst_k, Tensor& dst_scale,
                                          const Tensor& block_table, const Tensor& cu_seq_lens) {
   const IndexerCacheLayout layout =
@@ -409,12 +435,18 @@ void cp_gather_indexer_k_quant_cache_cpu(const Tensor& kv_cache, Tensor& dst_k, 
   const int64_t block_stride = kv_cache.stride(0), k_row_stride = dst_k.stride(0);
   const int64_t scale_row_stride = dst_scale.stride(0) * dst_scale.element_size(), num_rows = cu[batch];
 #pragma omp parallel for schedule(static) if (num_rows * layout.row_bytes() >= PARALLEL_MIN_WORK)
-  for (int64_t row = 0; row < num_rows; ++row) {
-    const int64_t b = sequence_of(cu, batch, row), p = row - cu[b];
-    const uint8_t* block = cache + table[b * table_stride + p / layout.block_size] * block_stride;
-    const int64_t offset = p % layout.block_size;
-    std::memcpy(k_out + row * k_row_stride, block + layout.value_offset(offset), layout.head_dim);
-    std::memcpy(scale_out + row * scale_row_stride, block + layout.scale_offset(offset), layout.scale_bytes());
+  for (int64_t first = 0; first < num_rows; first += ROWS_PER_TASK) {
+    const int64_t last = std::min(first + ROWS_PER_TASK, num_rows);
+    // Rows of one sequence in one block are consecutive in the cache and in the outputs: one copy per run.
+    for (int64_t row = first; row < last;) {
+      const int64_t b = sequence_of(cu, batch, row), p = row - cu[b], offset = p % layout.block_size;
+      const int64_t n = std::min({last - row, layout.block_size - offset, cu[b + 1] - row});
+      const uint8_t* block = cache + table[b * table_stride + p / layout.block_size] * block_stride;
+      copy_rows(block + layout.value_offset(offset), layout.head_dim, n, k_out + row * k_row_stride, k_row_stride);
+      copy_rows(block + layout.scale_offset(offset), layout.scale_bytes(), n, scale_out + row * scale_row_stride,
+                scale_row_stride);
+      row += n;
+    }
   }
 }
 

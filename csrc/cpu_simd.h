@@ -173,12 +173,12 @@ SIMD_INLINE u32x16 e4m3_encode(f32x16 x) {
   const u32x16 bits = as_u32(x);
   const u32x16 sign = (bits >> 24) & 0x80u;
   const u32x16 mag = bits & 0x7FFFFFFFu;
-  const u32x16 normal = ((mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20) - ((127u - 7u) << 3);
+  // quant.h's normal code grows with mag, so a minimum saturates from 448 (code 0x7E) up, inf included; below
+  // 2^-6, where it wraps around, the subnormal code replaces it.
+  const u32x16 normal = min(((mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20) - ((127u - 7u) << 3), u32x16{} + 0x7Eu);
   const u32x16 subnormal = as_u32(as_f32(mag) + 16384.0f) - 0x46800000u;  // bits of 2^14
-  u32x16 code = select(greater_mask(i32x16{} + 0x3C800000, as_i32(mag)), subnormal, normal);  // below 2^-6
-  code = select(greater_mask(as_i32(mag), i32x16{} + 0x43DFFFFF), u32x16{} + 0x7Eu, code);       // >= 448
-  code = select(greater_mask(as_i32(mag), i32x16{} + 0x7F800000), u32x16{} + 0x7Fu, code);       // NaN
-  return sign | code;
+  const u32x16 code = select(greater_mask(i32x16{} + 0x3C800000, as_i32(mag)), subnormal, normal);  // below 2^-6
+  return sign | select(greater_mask(as_i32(mag), i32x16{} + 0x7F800000), u32x16{} + 0x7Fu, code);  // NaN
 }
 
 // quant.h's e4m3_decode per lane.
