@@ -16,6 +16,7 @@
 #include "../error.h"
 
 #include <cstdint>
+#include <type_traits>
 
 #include "e2m1.h"
 
@@ -82,6 +83,27 @@ __device__ __forceinline__ Elements<N, T> load_elements(const T* src) {
     for (int i = 0; i < N; ++i) e.x[i] = src[i];
   }
   return e;
+}
+
+// max |x| over N elements, NaNs skipped as fmaxf skips them. bf16 and fp16 go by pairs: the packed max
+// instructions (three-way on SM90) take half the issue slots of one float max per element.
+template <int N, typename T>
+__device__ __forceinline__ float max_abs(const Elements<N, T>& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(x.x[i]));
+    return amax;
+  } else {
+    using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+    const Pair* pairs = reinterpret_cast<const Pair*>(x.x);
+    Pair amax;  // starts at 0 like the float form: __hmax2 returns the non-NaN operand, so a group of NaNs gives 0
+    if constexpr (std::is_same_v<T, __half>) amax = __float2half2_rn(0.0f);
+    else amax = __float2bfloat162_rn(0.0f);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) amax = __hmax2(amax, __habs2(pairs[i]));
+    return fmaxf(to_float(amax.x), to_float(amax.y));
+  }
 }
 
 // Stores N float32 values converted to T (round to nearest even), in 16-byte stores when kVector.

@@ -3,8 +3,9 @@
 //
 // Store: one thread owns one 16-element group of one (token, head) for both K and V; its four 16-byte activation
 // loads are in flight with the token's slot (its stores are predicated on the slot, not branched around: the
-// compiler sinks loads below such a branch). (Four tokens a thread, software-pipelined, measured slower on the
-// H200: 88 registers cut the occupancy.)
+// compiler sinks loads below such a branch). Measured slower on the H200: four tokens a thread, software-pipelined
+// (88 registers cut the occupancy); a lane pair a group, each lane loading half of K and of V so that every warp
+// load is contiguous, then swapping halves by shuffles (the per-thread overhead doubles: 400 -> 516 us).
 // Gather: one thread owns half a group (8 outputs, one 16-byte store, so a warp's stores are contiguous) of
 // ROWS rows of one head, K and V; each row's source (sequence by a binary search over cu_seq_lens, then its
 // block) is found once per CTA, by one thread, into shared memory; a thread loads all its rows' codes before
@@ -70,27 +71,6 @@ struct EntryOffsets {
   __device__ int v_scale_at(int token) const { return v_scale + (token & ~3) * scale_step + (token & 3) * v_scale_unit; }
 };
 
-// max |x| over a group, NaNs skipped as fmaxf skips them. bf16 and fp16 go by pairs: the packed max instructions
-// (three-way on SM90) take half the issue slots of one float max per element.
-template <typename T>
-__device__ __forceinline__ float group_amax(const Elements<GROUP, T>& x) {
-  if constexpr (std::is_same_v<T, float>) {
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < GROUP; ++i) amax = fmaxf(amax, fabsf(x.x[i]));
-    return amax;
-  } else {
-    using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
-    const Pair* pairs = reinterpret_cast<const Pair*>(x.x);
-    Pair amax;  // starts at 0 like the float form: __hmax2 returns the non-NaN operand, so a group of NaNs gives 0
-    if constexpr (std::is_same_v<T, __half>) amax = __float2half2_rn(0.0f);
-    else amax = __float2bfloat162_rn(0.0f);
-#pragma unroll
-    for (int i = 0; i < GROUP / 2; ++i) amax = __hmax2(amax, __habs2(pairs[i]));
-    return fmaxf(to_float(amax.x), to_float(amax.y));
-  }
-}
-
 // Quantizes one 16-element group into its 8 code bytes and 1 scale byte (FORMATS.md §1 steps 1-4).
 template <bool kVector, typename T>
 __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float global, float inv_global, bool valid,
@@ -98,7 +78,7 @@ __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float g
   float v[GROUP];
 #pragma unroll
   for (int i = 0; i < GROUP; ++i) v[i] = to_float(x.x[i]);
-  const uint8_t sf = e4m3_byte(group_amax(x) * ONE_SIXTH * inv_global);
+  const uint8_t sf = e4m3_byte(max_abs(x) * ONE_SIXTH * inv_global);
   const float sf_value = e4m3_value(sf);
   const float out_scale = sf_value == 0.0f ? 0.0f : 1.0f / (sf_value * global);
   float lo[8], hi[8];
@@ -126,8 +106,11 @@ __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float g
   }
 }
 
+// At least 10 CTAs an SM: 48 registers instead of 62, 62.5% occupancy instead of 50%. ptxas keeps the
+// loop-invariant global scales and their reciprocals in local memory (stored once, reloaded once a head). On the
+// H200 (RESULTS.md): 400 -> 385 us for 262,144 tokens; capped at 40 registers it spills inside the loop: 497 us.
 template <bool kVector, typename T>
-__global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_kernel(
+__global__ void __launch_bounds__(THREADS, 10) reshape_and_cache_nvfp4_kernel(
     const T* __restrict__ key, const T* __restrict__ value, int64_t key_token_stride, int64_t key_head_stride,
     int64_t value_token_stride, int64_t value_head_stride, uint8_t* __restrict__ key_cache,
     uint8_t* __restrict__ value_cache, int64_t block_stride, int64_t num_blocks,
