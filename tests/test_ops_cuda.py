@@ -1,7 +1,9 @@
 """CUDA-only cases: stores over many waves of thread blocks, bit for bit against the reference.
 
 The shared op tests (test_ops_cpu.py, run on CUDA too) use at most a few hundred tokens, one wave of blocks;
-these launch grids of thousands of blocks with random slots, as a prefill does.
+these launch grids of thousands of blocks with random slots, as a prefill does. The shared indexer cases pad
+their blocks off 16-byte alignment (the byte path); the last test here keeps them aligned, so every scale format
+and thread width runs the vector kernels.
 """
 
 import pytest
@@ -30,6 +32,21 @@ def test_large_indexer_store_matches_reference(scale_fmt):
     num_tokens = 140_000
     case = IndexerCase(num_tokens=num_tokens, block_size=64, num_blocks=num_tokens // 64 + 4, seed=3)
     args, expected = indexer_store_inputs(case, scale_fmt, "cuda"), indexer_store_inputs(case, scale_fmt, "cpu")
+    buffer, expected_buffer = args.pop("buffer"), expected.pop("buffer")
+    ops.indexer_k_quant_and_cache(**args)
+    reference.indexer_k_quant_and_cache(**expected)
+    assert torch.equal(buffer.cpu(), expected_buffer)
+
+
+@pytest.mark.parametrize("scale_fmt", ["", "ue8m0", "mxfp8"])
+@pytest.mark.parametrize("quant_block_size", [128, 32, 8])  # 16 elements a thread (one 16-byte store), 16, 8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_aligned_indexer_store_matches_reference(scale_fmt, quant_block_size, dtype):
+    case = IndexerCase(quant_block_size=quant_block_size, num_tokens=8_000, num_blocks=8_000 // 64 + 4, dtype=dtype,
+                       seed=quant_block_size)
+    args, expected = indexer_store_inputs(case, scale_fmt, "cuda"), indexer_store_inputs(case, scale_fmt, "cpu")
+    cache = args["kv_cache"]
+    assert cache.data_ptr() % 16 == 0 and cache.stride(0) % 16 == 0, "the case must take the vector path"
     buffer, expected_buffer = args.pop("buffer"), expected.pop("buffer")
     ops.indexer_k_quant_and_cache(**args)
     reference.indexer_k_quant_and_cache(**expected)
