@@ -3,11 +3,12 @@
 # tests on CUDA, time the ops beside a copy and FlashInfer's writer, run the doctor, then the op tests under
 # compute-sanitizer (memcheck; racecheck for the gathers, which use shared memory). Logs go to $OUT.
 # FlashInfer 0.7.0.post1 + apache-tvm-ffi come from the git-ignored .whl/ (carried).
-# SKIP_BUILD=1 reuses an extension already built there; STEPS picks steps (default: all); every step ends
-# before DEADLINE seconds (the run tool's limit is 600). ARCHS sets TORCH_CUDA_ARCH_LIST (default "9.0a;10.0a").
+# SKIP_BUILD=1 reuses an extension already built there; STEPS picks steps (default: all; the benchmark right
+# after the op tests); every step ends before DEADLINE seconds (the run tool's limit is 600). ARCHS sets
+# TORCH_CUDA_ARCH_LIST (default "9.0a;10.0a"); MEMCHECK_K and MEMCHECK_LARGE_K narrow the memcheck steps' -k.
 set -uo pipefail
 OUT=$(realpath -m "${OUT:-out}")
-STEPS=${STEPS:-"build cuda_tests tests bad_inputs bench doctor memcheck memcheck_large racecheck ncu"}
+STEPS=${STEPS:-"build cuda_tests tests bench bad_inputs bad_inputs_backtrace doctor memcheck memcheck_large racecheck ncu"}
 DEADLINE=${DEADLINE:-580}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -64,21 +65,23 @@ wait $warmup || tail -20 "$OUT/flashinfer_warmup.log"
 # CPU cases too: whether an op's error reaches Python on this machine's torch at all.
 has cuda_tests && step test_ops_cuda 120 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/test_ops_cuda.py
 has tests && step test_ops_cpu 150 python3 -X faulthandler -m pytest -v -m gpu -p no:cacheprovider tests/test_ops_cpu.py
+# The issue's target shapes, beside a same-run copy and FlashInfer's writer (what `bench_ops.py --device cuda`
+# appends to its own table).
+has bench && step bench 200 python3 benchmarks/bench_ops_cuda.py --flashinfer --out "$OUT/bench.md"
 has bad_inputs && step test_bad_inputs 90 python3 -X faulthandler -m pytest -v -p no:cacheprovider tests/test_bad_inputs.py
-if has bad_inputs && ! grep -q " passed" "$OUT/test_bad_inputs.log"; then  # a crash: where, natively
+if has bad_inputs_backtrace && ! grep -q " passed" "$OUT/test_bad_inputs.log"; then  # a crash: where, natively
   step bad_inputs_backtrace 90 cuda-gdb -q -batch -ex run -ex "bt 30" --args python3 -m pytest -x -q -m gpu \
     -p no:cacheprovider tests/test_bad_inputs.py
 fi
-has bench && step bench 200 python3 benchmarks/bench_ops.py --device cuda --append "$OUT/bench.md"
 has doctor && step doctor 90 python3 -m vllm_nvfp4_plugin.doctor
 has racecheck && step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "gather and not opcheck" tests/test_ops_cpu.py
 # One cudaMalloc per tensor, so memcheck sees the end of every tensor rather than of a cached pool.
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 has memcheck && step memcheck 200 compute-sanitizer --tool memcheck --error-exitcode 1 \
-  python3 -m pytest -q -m gpu -p no:cacheprovider -k "not opcheck" tests/test_ops_cpu.py
+  python3 -m pytest -q -m gpu -p no:cacheprovider -k "${MEMCHECK_K:-not opcheck}" tests/test_ops_cpu.py
 has memcheck_large && step memcheck_large 120 compute-sanitizer --tool memcheck --error-exitcode 1 \
-  python3 -m pytest -q -p no:cacheprovider tests/test_ops_cuda.py
+  python3 -m pytest -q -p no:cacheprovider -k "${MEMCHECK_LARGE_K:-}" tests/test_ops_cuda.py
 has ncu && step ncu 150 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
   --section MemoryWorkloadAnalysis -k "regex:reshape|gather|indexer" python3 benchmarks/bench_ops_cuda.py --once
 # The run tool brings back at most 8 files: the logs travel as one archive.
