@@ -5,6 +5,7 @@ plugin): step A prefills five requests (one split into several chunks by a small
 prefill's first part); step B mixes decodes (next_n = 3 speculative tokens, one request with 2, contexts
 shorter than top-k) with the rest of that chunked prefill and a new prefix-cached request. The op stores
 every step's keys itself; the selected indices must equal a float64 reference's (test_indexer_core).
+Cases taking `device` run on CPU tensors and, marked `gpu`, on CUDA tensors (cache, tables, queries, buffer).
 """
 
 from __future__ import annotations
@@ -44,10 +45,10 @@ def vllm_config():
 
 
 def make_layer(vllm_config, topk: int, buffer_width: int | None = None, quant_block_size: int = QUANT_BLOCK,
-               **kwargs):
+               device: str = "cpu", **kwargs):
     """The indexer cache layer and op as DeepSeek-V3.2's model builds them."""
     buffer = torch.empty(vllm_config.scheduler_config.max_num_batched_tokens, buffer_width or topk,
-                         dtype=torch.int32)
+                         dtype=torch.int32, device=device)
     with set_current_vllm_config(vllm_config):
         cache = DeepseekV32IndexerCache(head_dim=HEAD_DIM + HEAD_DIM // QUANT_BLOCK * 4, dtype=torch.uint8,
                                         prefix=f"model.layers.{next(_layer_ids)}.self_attn.indexer.k_cache",
@@ -56,14 +57,15 @@ def make_layer(vllm_config, topk: int, buffer_width: int | None = None, quant_bl
     return cache, op
 
 
-def make_builder(vllm_config, cache) -> IndexerMetadataBuilder:
+def make_builder(vllm_config, cache, device: str) -> IndexerMetadataBuilder:
     builder_cls = cache.get_attn_backend().get_builder_cls()
-    return builder_cls(cache.get_kv_cache_spec(vllm_config), [cache.prefix], vllm_config, torch.device("cpu"),
+    return builder_cls(cache.get_kv_cache_spec(vllm_config), [cache.prefix], vllm_config, torch.device(device),
                        max_k_rows=MAX_K_ROWS, max_logits_bytes=MAX_LOGITS_BYTES)
 
 
-def common_metadata(query_lens, seq_lens, block_table) -> CommonAttentionMetadata:
-    """What vLLM's model runner hands the builders for a batch (decodes first)."""
+def common_metadata(query_lens, seq_lens, block_table, device: str) -> CommonAttentionMetadata:
+    """What vLLM's model runner hands the builders for a batch (decodes first): device tensors plus the
+    host copies of the query starts and sequence lengths."""
     qsl = torch.tensor([0] + query_lens).cumsum(0).int()
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     slots = []
@@ -71,9 +73,10 @@ def common_metadata(query_lens, seq_lens, block_table) -> CommonAttentionMetadat
         pos = torch.arange(s - q, s)
         slots.append(block_table[r, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
     return CommonAttentionMetadata(
-        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq, num_reqs=len(query_lens),
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device), num_reqs=len(query_lens),
         num_actual_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        block_table_tensor=block_table, slot_mapping=torch.cat(slots), seq_lens_cpu_upper_bound=seq.clone())
+        block_table_tensor=block_table.to(device), slot_mapping=torch.cat(slots).to(device),
+        seq_lens_cpu_upper_bound=seq)
 
 
 class Requests:
@@ -101,16 +104,17 @@ class Requests:
         return t
 
 
-def run_step(op, cache, builder, vllm_config, reqs: Requests, batch, seed):
-    """One step; batch is [(request, query_len, seq_len)]. Returns (metadata, q, w, tokens' (request, position))."""
+def run_step(op, cache, builder, vllm_config, reqs: Requests, batch, seed, device):
+    """One step; batch is [(request, query_len, seq_len)]. Returns (metadata, q, w, tokens' (request, position)),
+    q and w on the host."""
     names = [r for r, _, _ in batch]
-    cm = common_metadata([q for _, q, _ in batch], [s for _, _, s in batch], reqs.table(names))
+    cm = common_metadata([q for _, q, _ in batch], [s for _, _, s in batch], reqs.table(names), device)
     md = builder.build(0, cm)
     token_pos = [(r, p) for r, q, s in batch for p in range(s - q, s)]
     k = torch.stack([reqs.keys[r][p] for r, p in token_pos])
     q, w = random_queries(torch.Generator().manual_seed(seed), len(token_pos), HEADS, HEAD_DIM)
     with set_forward_context({cache.prefix: md}, vllm_config):
-        out = op(torch.zeros(len(token_pos), 8), q, k, w)
+        out = op(torch.zeros(len(token_pos), 8, device=device), q.to(device), k.to(device), w.to(device))
     assert out is op.topk_indices_buffer
     return md, q, w, token_pos
 
@@ -149,6 +153,7 @@ def check_chunks_fed_by_gather(md, calls):
     chunks = md.prefill.chunks
     assert [c[0] for c in calls] == ["gather", "logits"] * len(chunks)
     for chunk, (_, dst_k, table, cu), (_, k_values) in zip(chunks, calls[::2], calls[1::2]):
+        assert table.device == cu.device == dst_k.device  # the chunk's metadata lives where the cache does
         assert torch.equal(table, chunk.block_table) and torch.equal(cu, chunk.cu_seq_lens)
         assert k_values.data_ptr() == dst_k.data_ptr() and k_values.size(0) == chunk.total_seq_lens
         assert chunk.total_seq_lens <= MAX_K_ROWS
@@ -157,18 +162,18 @@ def check_chunks_fed_by_gather(md, calls):
 
 
 @pytest.mark.parametrize("topk", [64, 512])
-def test_mixed_batches_match_reference(vllm_config, spies, topk):
-    cache, op = make_layer(vllm_config, topk)
+def test_mixed_batches_match_reference(vllm_config, spies, topk, device):
+    cache, op = make_layer(vllm_config, topk, device=device)
     assert isinstance(op, NVFP4SparseAttnIndexer) and cache.get_attn_backend() is IndexerBackend
-    builder = make_builder(vllm_config, cache)
+    builder = make_builder(vllm_config, cache, device)
     reqs = Requests({"r0": 601, "r1": 153, "r2": 700, "r3": 218, "r4": 20, "r5": 92}, shared={"r3": ("r0", 2)})
     layout = IndexerCacheLayout(HEAD_DIM, BLOCK_SIZE, QUANT_BLOCK)
-    kv = layout.allocate(reqs.num_blocks, fill=GARBAGE, block_stride=layout.block_bytes + 64)
+    kv = layout.allocate(reqs.num_blocks, device, fill=GARBAGE, block_stride=layout.block_bytes + 64)
     cache.bind_kv_cache(kv.unsqueeze(1))
 
     # Step A: prefills only; r0 is split by rows, r2 is the first part of a chunked prefill.
     step_a = [("r0", 600, 600), ("r1", 150, 150), ("r2", 400, 400), ("r4", 19, 19), ("r5", 90, 90)]
-    md, q, w, token_pos = run_step(op, cache, builder, vllm_config, reqs, step_a, seed=1)
+    md, q, w, token_pos = run_step(op, cache, builder, vllm_config, reqs, step_a, seed=1, device=device)
     assert (md.num_decodes, md.num_prefills) == (0, 5)
     assert len(md.prefill.chunks) == 7  # r0 in 3 row parts, r1, r2 in 2, r4 + r5
     check_chunks_fed_by_gather(md, spies)
@@ -176,7 +181,7 @@ def test_mixed_batches_match_reference(vllm_config, spies, topk):
 
     # Step B: decodes (1, 1, 3 and 2 tokens) first, then r2's remaining 300 and r3 on r0's cached prefix.
     step_b = [("r0", 1, 601), ("r4", 1, 20), ("r1", 3, 153), ("r5", 2, 92), ("r2", 300, 700), ("r3", 90, 218)]
-    md, q, w, token_pos = run_step(op, cache, builder, vllm_config, reqs, step_b, seed=2)
+    md, q, w, token_pos = run_step(op, cache, builder, vllm_config, reqs, step_b, seed=2, device=device)
     assert (md.num_decodes, md.num_decode_tokens, md.num_prefills) == (4, 7, 2)
     assert md.decode.seq_lens.tolist() == [[601, 0, 0], [20, 0, 0], [151, 152, 153], [91, 92, 0]]
     assert md.decode.requires_padding
@@ -199,19 +204,19 @@ def test_unsupported_configuration_keeps_vllms_op(vllm_config):
     assert type(op) is SparseAttnIndexer and "get_attn_backend" not in vars(cache)
 
 
-def test_bad_input(vllm_config):
+def test_bad_input(vllm_config, device):
     with pytest.raises(ValueError, match=r"head_dim \(128\) must be a multiple of quant_block_size \(96\)"):
         make_layer(vllm_config, 64, quant_block_size=96)
     with pytest.raises(ValueError, match=r"topk_tokens \(512\) is larger than the top-k index buffer's width \(256\)"):
         make_layer(vllm_config, 512, buffer_width=256)
 
-    cache, op = make_layer(vllm_config, 64)
-    builder = make_builder(vllm_config, cache)  # built for block size 64
+    cache, op = make_layer(vllm_config, 64, device=device)
+    builder = make_builder(vllm_config, cache, device)  # built for block size 64
     reqs = Requests({"r0": 40}, shared={})
-    small_blocks = IndexerCacheLayout(HEAD_DIM, 32, QUANT_BLOCK).allocate(reqs.num_blocks * 2, fill=0)
+    small_blocks = IndexerCacheLayout(HEAD_DIM, 32, QUANT_BLOCK).allocate(reqs.num_blocks * 2, device, fill=0)
     cache.bind_kv_cache(small_blocks.unsqueeze(1))
     with pytest.raises(ValueError, match="kv_cache block size 32 does not match the block size 64"):
-        run_step(op, cache, builder, vllm_config, reqs, [("r0", 40, 40)], seed=0)
+        run_step(op, cache, builder, vllm_config, reqs, [("r0", 40, 40)], seed=0, device=device)
 
 
 def test_prefill_chunk_plan():
