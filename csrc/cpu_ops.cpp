@@ -100,17 +100,62 @@ Isa cpu_isa() {
   return isa;
 }
 
-// --- E2M1 encoding of whole groups, per instruction set ------------------------------------------------
-// Encodes `count` groups of 16 values, each scaled by its out_scale in float32, into 8 packed bytes each:
-// quant.h's e2m1_encode and nibble packing. The code of a value is the number of thresholds it
-// passes; as the comparisons' lane masks are nested (passing 1.75 implies passing 0.75), the code's bits
-// are plain mask logic, and PDEP moves lane i's bits to nibble i of the 8 output bytes.
+// --- NVFP4 quantization of whole groups, per instruction set --------------------------------------------
+
+// Groups quantized together: first all their block scales (independent vector computations that overlap),
+// then all their codes.
+constexpr int BATCH = 4 * LANES;
+
+// Up to BATCH groups of one token (any heads): where each group's 16 values are, and where its 8 code bytes and
+// its block scale byte go.
 template <typename T>
-void encode_groups_baseline(const T* const* src, const float* out_scale, uint8_t* const* out, int count) {
+struct GroupBatch {
+  const T* src[BATCH];
+  uint8_t* data[BATCH];
+  uint8_t* scale[BATCH];
+};
+
+// Writes the block scales (FORMATS.md §1) of `count` <= 16 groups from their max |x| (float32 bits) and returns
+// the float32 factors 1 / (SF · global) that bring each group onto the E2M1 grid (0 where SF is 0).
+template <bool native>
+NVFP4_INLINE simd::f32x16 write_block_scales(uint8_t* const* scale, int count, simd::u32x16 amax, float global,
+                                             float inv_global) {
+  const simd::u32x16 sf = simd::e4m3_encode<native>(simd::as_f32(amax) * ONE_SIXTH * inv_global);
+  const simd::f32x16 sf_value = simd::e4m3_decode<native>(sf);
+  for (int i = 0; i < count; ++i) *scale[i] = static_cast<uint8_t>(sf[i]);
+  return simd::as_f32(simd::where_greater<native>(simd::i32x16{} + 1, simd::as_i32(simd::as_u32(sf_value)),
+                                                  simd::u32x16{}, simd::as_u32(1.0f / (sf_value * global))));
+}
+
+// Encodes `count` groups of 16 values, each scaled by its out_scale in float32, into 8 packed bytes each:
+// quant.h's e2m1_encode and nibble packing, one group a vector.
+template <typename T>
+NVFP4_INLINE void encode_groups_generic(const T* const* src, const float* out_scale, uint8_t* const* out, int count) {
   for (int i = 0; i < count; ++i) simd::pack_e2m1(simd::e2m1_encode(simd::load16(src[i]) * out_scale[i]), out[i]);
 }
 
+// Quantizes a batch of groups: each group's max |x|, the block scales, then the codes by `encode`.
+template <typename T, void (*encode)(const T* const*, const float*, uint8_t* const*, int), bool native>
+NVFP4_INLINE void quantize_groups(const GroupBatch<T>& batch, int count, float global, float inv_global) {
+  alignas(64) float out_scale[BATCH];
+  for (int first = 0; first < count; first += LANES) {
+    const int n = std::min(count - first, LANES);
+    simd::u32x16 amax = {};
+    for (int i = 0; i < n; ++i) amax[i] = simd::amax_bits(batch.src[first + i]);
+    simd::store16(write_block_scales<native>(batch.scale + first, n, amax, global, inv_global), out_scale + first);
+  }
+  encode(batch.src, out_scale, batch.data, count);
+}
+
+template <typename T>
+void quantize_groups_baseline(const GroupBatch<T>& batch, int count, float global, float inv_global) {
+  quantize_groups<T, encode_groups_generic<T>, false>(batch, count, global, inv_global);
+}
+
 #if NVFP4_X86
+// AVX2: the code of a value is the number of thresholds it passes; as the comparisons' lane masks are nested
+// (passing 1.75 implies passing 0.75), the code's bits are plain mask logic, and PDEP moves lane i's bits to
+// nibble i of the 8 output bytes.
 // m[k] has lane i set when |v_i| passes threshold k (> 0.25, >= 0.75, > 1.25, >= 1.75, > 2.5, >= 3.5, > 5).
 __attribute__((target("bmi2"), always_inline)) inline uint64_t packed_codes(const uint32_t (&m)[7], uint32_t sign) {
   const uint32_t bit2 = m[3];
@@ -118,24 +163,6 @@ __attribute__((target("bmi2"), always_inline)) inline uint64_t packed_codes(cons
   const uint32_t bit0 = (m[0] & ~m[1]) | (m[2] & ~m[3]) | (m[4] & ~m[5]) | m[6];
   return _pdep_u64(bit0, 0x1111111111111111ull) | _pdep_u64(bit1, 0x2222222222222222ull) |
          _pdep_u64(bit2, 0x4444444444444444ull) | _pdep_u64(sign, 0x8888888888888888ull);
-}
-
-template <typename T>
-NVFP4_TARGET_AVX512 void encode_groups_avx512(const T* const* src, const float* out_scale, uint8_t* const* out,
-                                              int count) {
-  for (int i = 0; i < count; ++i) {
-    const __m512 v = __builtin_bit_cast(__m512, simd::load16(src[i]) * out_scale[i]);
-    const __m512 a = _mm512_abs_ps(v);
-    const uint32_t m[7] = {_mm512_cmp_ps_mask(a, _mm512_set1_ps(0.25f), _CMP_GT_OQ),
-                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.75f), _CMP_GE_OQ),
-                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.25f), _CMP_GT_OQ),
-                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(1.75f), _CMP_GE_OQ),
-                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(2.5f), _CMP_GT_OQ),
-                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(3.5f), _CMP_GE_OQ),
-                           _mm512_cmp_ps_mask(a, _mm512_set1_ps(5.0f), _CMP_GT_OQ)};
-    const uint64_t packed = packed_codes(m, _mm512_movepi32_mask(_mm512_castps_si512(v)));
-    std::memcpy(out[i], &packed, sizeof packed);
-  }
 }
 
 // The lane mask of `a op t` over 16 lanes held in two 8-lane halves.
@@ -163,46 +190,123 @@ NVFP4_TARGET_AVX2 void encode_groups_avx2(const T* const* src, const float* out_
   }
 }
 #undef NVFP4_MASK16
+
+template <typename T>
+NVFP4_TARGET_AVX2 void quantize_groups_avx2(const GroupBatch<T>& batch, int count, float global, float inv_global) {
+  quantize_groups<T, encode_groups_avx2<T>, false>(batch, count, global, inv_global);
+}
+
+// AVX-512, float16 and float32 inputs: the generic form (vector comparisons are single instructions here).
+template <typename T>
+NVFP4_TARGET_AVX512 void quantize_groups_avx512(const GroupBatch<T>& batch, int count, float global,
+                                                float inv_global) {
+  quantize_groups<T, encode_groups_generic<T>, true>(batch, count, global, inv_global);
+}
+
+// E2M1 magnitude codes of non-negative, non-NaN lanes, in the low 3 bits (above them, 0x4B000000's bits):
+// cuda/e2m1.h's arithmetic form, the minimum of 2a, a + 2 and min(a, 6)/2 + 4, each rounded to an integer (ties
+// to even) by adding 2^23. A fused multiply-add rounds once, as the exact products do.
+NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i e2m1_magnitudes(__m512 a) {
+  const __m512 magic = _mm512_set1_ps(8388608.0f);
+  const __m512i fine = _mm512_castps_si512(_mm512_fmadd_ps(a, _mm512_set1_ps(2.0f), magic));
+  const __m512i mid = _mm512_castps_si512(_mm512_add_ps(a, _mm512_set1_ps(8388610.0f)));
+  const __m512i coarse = _mm512_castps_si512(
+      _mm512_fmadd_ps(_mm512_min_ps(a, _mm512_set1_ps(6.0f)), _mm512_set1_ps(0.5f), _mm512_set1_ps(8388612.0f)));
+  return _mm512_min_epu32(_mm512_min_epu32(fine, mid), coarse);  // positive floats order as their bits
+}
+
+// AVX-512, bfloat16 (the usual KV dtype), two groups a vector. Read as 32-bit lanes, a pair of bf16 values is
+// its even element in the low half and its odd element in the high half, so shifting and masking give the even
+// and odd elements as float32 with no conversion, and an odd code shifted next to its even one is the packed
+// byte. The maxima of 16 groups come from one transposing reduction over 8 vectors instead of one reduction each.
+NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i load_pair(const GroupBatch<c10::BFloat16>& batch, int count, int i) {
+  alignas(32) static const uint16_t zeros[NVFP4_GROUP] = {};
+  auto group = [&](int g) { return reinterpret_cast<const __m256i*>(g < count ? static_cast<const void*>(batch.src[g]) : zeros); };
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(group(i))), _mm256_loadu_si256(group(i + 1)), 1);
+}
+
+// Float32 bits of max |x| of groups first..first+15 (0 past count).
+NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i amax_bits16(const GroupBatch<c10::BFloat16>& batch, int count, int first) {
+  __m512i magnitudes[LANES / 2];  // pair k: group 2k in the low 256 bits, 2k + 1 in the high
+  for (int k = 0; k < LANES / 2; ++k)  // |x| as int16 orders like |x|
+    magnitudes[k] = _mm512_and_si512(load_pair(batch, count, first + 2 * k), _mm512_set1_epi16(0x7FFF));
+  // Each step merges two vectors and halves the lanes a group spans. Groups 4p..4p+3 in 128-bit chunks:
+  __m512i quads[4];
+  for (int p = 0; p < 4; ++p)
+    quads[p] = _mm512_max_epi16(_mm512_shuffle_i64x2(magnitudes[2 * p], magnitudes[2 * p + 1], 0x88),
+                                _mm512_shuffle_i64x2(magnitudes[2 * p], magnitudes[2 * p + 1], 0xDD));
+  // Chunk c: groups c and 4 + c (halves0), 8 + c and 12 + c (halves1), 64 bits each.
+  const __m512i halves0 = _mm512_max_epi16(_mm512_unpacklo_epi64(quads[0], quads[1]), _mm512_unpackhi_epi64(quads[0], quads[1]));
+  const __m512i halves1 = _mm512_max_epi16(_mm512_unpacklo_epi64(quads[2], quads[3]), _mm512_unpackhi_epi64(quads[2], quads[3]));
+  // 32-bit lane j of chunk c: group c + 4j, two values; then the maximum in the high half is the float32 bits.
+  const __m512 h0 = _mm512_castsi512_ps(halves0), h1 = _mm512_castsi512_ps(halves1);
+  __m512i pairs = _mm512_max_epi16(_mm512_castps_si512(_mm512_shuffle_ps(h0, h1, 0x88)),
+                                   _mm512_castps_si512(_mm512_shuffle_ps(h0, h1, 0xDD)));
+  pairs = _mm512_and_si512(_mm512_max_epi16(pairs, _mm512_slli_epi32(pairs, 16)), _mm512_set1_epi32(0xFFFF0000));
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), pairs);
+}
+
+template <>
+NVFP4_TARGET_AVX512 void quantize_groups_avx512(const GroupBatch<c10::BFloat16>& batch, int count, float global,
+                                                float inv_global) {
+  alignas(64) float out_scale[BATCH];
+  bool usable = true;  // every factor finite and non-negative: then |x · factor| = |x| · factor, its sign x's
+  for (int first = 0; first < count; first += LANES) {
+    const simd::f32x16 factors = write_block_scales<true>(batch.scale + first, std::min(count - first, LANES),
+                                                    __builtin_bit_cast(simd::u32x16, amax_bits16(batch, count, first)),
+                                                    global, inv_global);
+    usable &= _mm512_cmplt_epu32_mask(__builtin_bit_cast(__m512i, factors), _mm512_set1_epi32(0x7F800000)) == 0xFFFF;
+    simd::store16(factors, out_scale + first);
+  }
+  if (!usable) {
+    encode_groups_generic(batch.src, out_scale, batch.data, count);
+    return;
+  }
+  for (int i = 0; i < count; i += 2) {
+    const __m512i words = load_pair(batch, count, i);
+    const __m512i magnitudes = _mm512_and_si512(words, _mm512_set1_epi16(0x7FFF));
+    const __m512 factor = _mm512_permutexvar_ps(  // group i's in lanes 0-7, i + 1's in lanes 8-15
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+        _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(out_scale + i)))));
+    const __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(magnitudes, 16)), factor);
+    const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(magnitudes, _mm512_set1_epi32(0xFFFF0000))), factor);
+    // Select bits by mask (ternary-logic 0xE4: mask ? a : b): even codes in bits 0-3, odd codes in bits 4-7, and
+    // the signs (bits 15 and 31 of the pair) in bits 3 and 7.
+    const __m512i codes = _mm512_ternarylogic_epi32(e2m1_magnitudes(even), _mm512_slli_epi32(e2m1_magnitudes(odd), 4),
+                                                    _mm512_set1_epi32(0x0F), 0xE4);
+    const __m512i signs = _mm512_ternarylogic_epi32(_mm512_srli_epi32(words, 12), _mm512_srli_epi32(words, 24),
+                                                    _mm512_set1_epi32(0x08), 0xE4);
+    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(codes, signs, _mm512_set1_epi32(0x88), 0xF8));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(batch.data[i]), bytes);
+    if (i + 1 < count) _mm_storeh_pi(reinterpret_cast<__m64*>(batch.data[i + 1]), _mm_castsi128_ps(bytes));
+  }
+}
 #endif
 
-// Quantizes the num_heads rows of one token into `side` (one side of one block), FORMATS.md §1. The
-// groups' block scales are computed 16 groups at a time, then each group's codes as one vector.
+// Quantizes the num_heads rows of one token into `side` (one side of one block), FORMATS.md §1, a batch of
+// groups at a time by `quantize`.
 template <typename T>
 NVFP4_INLINE void store_token_impl(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t token,
                                    const int64_t* scale_delta, float global, float inv_global, uint8_t* side,
-                                   void (*encode)(const T* const*, const float*, uint8_t* const*, int)) {
-  alignas(64) uint32_t amax[LANES] = {};
-  alignas(64) float out_scale[LANES];
-  const T* src[LANES];
-  uint8_t* data[LANES];
-  uint8_t* scale[LANES];
+                                   void (*quantize)(const GroupBatch<T>&, int, float, float)) {
+  GroupBatch<T> batch;
   int lanes = 0;
-  auto flush = [&]() __attribute__((always_inline)) {
-    simd::u32x16 amax_vector;
-    std::memcpy(&amax_vector, amax, sizeof amax_vector);
-    const simd::u32x16 sf = simd::e4m3_encode(simd::as_f32(amax_vector) * ONE_SIXTH * inv_global);
-    const simd::f32x16 sf_value = simd::e4m3_decode(sf);
-    const simd::u32x16 zero_scale = simd::greater_mask(simd::i32x16{} + 1, simd::as_i32(simd::as_u32(sf_value)));
-    simd::store16(simd::as_f32(simd::select(zero_scale, simd::u32x16{}, simd::as_u32(1.0f / (sf_value * global)))),
-                  out_scale);
-    for (int i = 0; i < lanes; ++i) *scale[i] = static_cast<uint8_t>(sf[i]);
-    encode(src, out_scale, data, lanes);
-    lanes = 0;
-  };
   const int64_t r = token % 4, scale_dim = layout.scale_dim();
   for (int64_t h = 0; h < layout.num_heads; ++h) {
     const T* row = x + h * head_stride;
     uint8_t* entry_data = side + layout.data_offset(token, h);
     uint8_t* entry_scales = side + layout.scale_offset(token - r, h, 0, false);
     for (int64_t s = 0; s < scale_dim; ++s) {
-      src[lanes] = row + s * NVFP4_GROUP;
-      amax[lanes] = simd::amax_bits(src[lanes]);
-      data[lanes] = entry_data + s * NVFP4_GROUP / 2;
-      scale[lanes] = entry_scales + scale_delta[r * scale_dim + s];
-      if (++lanes == LANES) flush();
+      batch.src[lanes] = row + s * NVFP4_GROUP;
+      batch.data[lanes] = entry_data + s * NVFP4_GROUP / 2;
+      batch.scale[lanes] = entry_scales + scale_delta[r * scale_dim + s];
+      if (++lanes == BATCH) {
+        quantize(batch, lanes, global, inv_global);
+        lanes = 0;
+      }
     }
   }
-  if (lanes) flush();
+  if (lanes) quantize(batch, lanes, global, inv_global);
 }
 
 // quant.h's e4m3_decode of every byte, so the gather reads a group's block scale with one load.
@@ -237,7 +341,7 @@ inline int ceil_log2(float scale) {
 }
 
 // Quantizes one indexer key (FORMATS.md §2) into its block: FP8 values, then the scales' bytes.
-template <typename T>
+template <bool native, typename T>
 NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,
                                            int64_t offset, uint8_t* block) {
   const int64_t qbs = layout.quant_block_size, vector_end = qbs - qbs % LANES;
@@ -252,7 +356,7 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
     uint8_t* values = block + layout.value_offset(offset) + j * qbs;
     auto encode = [&](auto scaled) __attribute__((always_inline)) {
       for (int64_t e = 0; e < vector_end; e += LANES) {
-        simd::u8x16 codes = __builtin_convertvector(simd::e4m3_encode(scaled(simd::load16(xj + e))), simd::u8x16);
+        simd::u8x16 codes = __builtin_convertvector(simd::e4m3_encode<native>(scaled(simd::load16(xj + e))), simd::u8x16);
         asm("" : "+v"(codes));  // narrow in a register: Zen 4 narrows into memory (VPMOVDB m128) slowly
         std::memcpy(values + e, &codes, sizeof codes);
       }
@@ -276,11 +380,11 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
   }
 }
 
-#define NVFP4_ROW_KERNELS(ISA, TARGET)                                                                            \
+#define NVFP4_ROW_KERNELS(ISA, TARGET, NATIVE)                                                                            \
   template <typename T>                                                                                           \
   TARGET void store_token_##ISA(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t token,    \
                                 const int64_t* scale_delta, float global, float inv_global, uint8_t* side) {      \
-    store_token_impl(x, head_stride, layout, token, scale_delta, global, inv_global, side, encode_groups_##ISA<T>);\
+    store_token_impl(x, head_stride, layout, token, scale_delta, global, inv_global, side, quantize_groups_##ISA<T>);\
   }                                                                                                               \
   template <typename T>                                                                                           \
   TARGET void load_token_##ISA(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,                 \
@@ -290,12 +394,12 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
   template <typename T>                                                                                           \
   TARGET void indexer_store_token_##ISA(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,            \
                                         int64_t offset, uint8_t* block) {                                         \
-    indexer_store_token_impl(x, layout, fmt, offset, block);                                                      \
+    indexer_store_token_impl<NATIVE>(x, layout, fmt, offset, block);                                                      \
   }
-NVFP4_ROW_KERNELS(baseline, )
+NVFP4_ROW_KERNELS(baseline, , false)
 #if NVFP4_X86
-NVFP4_ROW_KERNELS(avx512, NVFP4_TARGET_AVX512)
-NVFP4_ROW_KERNELS(avx2, NVFP4_TARGET_AVX2)
+NVFP4_ROW_KERNELS(avx512, NVFP4_TARGET_AVX512, true)
+NVFP4_ROW_KERNELS(avx2, NVFP4_TARGET_AVX2, false)
 #endif
 #undef NVFP4_ROW_KERNELS
 

@@ -45,6 +45,15 @@ SIMD_INLINE u32x16 greater_mask(i32x16 a, i32x16 b) {
 }
 SIMD_INLINE i32x16 as_i32(u32x16 u) { return __builtin_bit_cast(i32x16, u); }
 SIMD_INLINE u32x16 select(u32x16 mask, u32x16 yes, u32x16 no) { return (yes & mask) | (no & ~mask); }
+// `yes` in lanes where a > b, `no` elsewhere (callers compare non-negative values). `native`: a vector
+// comparison, for the AVX-512 variant, where it is one instruction and a blend.
+template <bool native>
+SIMD_INLINE u32x16 where_greater(i32x16 a, i32x16 b, u32x16 yes, u32x16 no) {
+  if constexpr (native)
+    return a > b ? yes : no;
+  else
+    return select(greater_mask(a, b), yes, no);
+}
 
 // --- dtype <-> float32 (exact widening; rounding narrowing like torch's .to()) -------------------
 SIMD_INLINE f32x16 load16(const float* p) {
@@ -169,6 +178,7 @@ SIMD_INLINE void pack_e2m1(u32x16 codes, uint8_t* out) {
 }
 
 // quant.h's e4m3_encode per lane (lanes hold the code in their low byte).
+template <bool native>
 SIMD_INLINE u32x16 e4m3_encode(f32x16 x) {
   const u32x16 bits = as_u32(x);
   const u32x16 sign = (bits >> 24) & 0x80u;
@@ -177,19 +187,19 @@ SIMD_INLINE u32x16 e4m3_encode(f32x16 x) {
   // 2^-6, where it wraps around, the subnormal code replaces it.
   const u32x16 normal = min(((mag + 0x7FFFFu + ((mag >> 20) & 1u)) >> 20) - ((127u - 7u) << 3), u32x16{} + 0x7Eu);
   const u32x16 subnormal = as_u32(as_f32(mag) + 16384.0f) - 0x46800000u;  // bits of 2^14
-  const u32x16 code = select(greater_mask(i32x16{} + 0x3C800000, as_i32(mag)), subnormal, normal);  // below 2^-6
-  return sign | select(greater_mask(as_i32(mag), i32x16{} + 0x7F800000), u32x16{} + 0x7Fu, code);  // NaN
+  const u32x16 code = where_greater<native>(i32x16{} + 0x3C800000, as_i32(mag), subnormal, normal);  // below 2^-6
+  return sign | where_greater<native>(as_i32(mag), i32x16{} + 0x7F800000, u32x16{} + 0x7Fu, code);  // NaN
 }
 
 // quant.h's e4m3_decode per lane.
+template <bool native>
 SIMD_INLINE f32x16 e4m3_decode(u32x16 code) {
   const u32x16 sign = (code & 0x80u) << 24;
   const u32x16 exp = (code >> 3) & 0xFu, man = code & 7u;
   const u32x16 normal = ((exp + 120u) << 23) | (man << 20);
   const u32x16 subnormal = as_u32(__builtin_convertvector(man, f32x16) * 0.001953125f);
-  const u32x16 mag = select(greater_mask(i32x16{} + 1, as_i32(exp)), subnormal, normal);  // exponent 0
-  const u32x16 nan = greater_mask(as_i32(code & 0x7Fu), i32x16{} + 0x7E);
-  return as_f32(sign | select(nan, u32x16{} + 0x7FC00000u, mag));
+  const u32x16 mag = where_greater<native>(i32x16{} + 1, as_i32(exp), subnormal, normal);  // exponent 0
+  return as_f32(sign | where_greater<native>(as_i32(code & 0x7Fu), i32x16{} + 0x7E, u32x16{} + 0x7FC00000u, mag));
 }
 
 #undef SIMD_INLINE
