@@ -19,6 +19,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -340,31 +341,57 @@ inline int ceil_log2(float scale) {
   return static_cast<int>(bits >> 23) - 127 + ((bits & 0x7FFFFFu) != 0);
 }
 
+#if NVFP4_X86
+// AVX-512, bfloat16 keys and a power-of-two scale 2^exponent (the UE8M0 formats): x / 2^exponent only moves the
+// exponent, so quant.h's E4M3 codes come from the bf16 bits in 16-bit lanes, 32 values a vector. Normal codes
+// (|x| / 2^exponent >= 2^-6): the 7 mantissa bits rounded to 3 (nearest even) and the exponent rebiased, saturating
+// at 448 with a minimum. Subnormal ones, round(|x| · 2^(9 - exponent)), come from float32 arithmetic (adding 2^23
+// rounds to an integer, ties to even) on the even and odd elements, read as the halves of 32-bit lanes.
+NVFP4_TARGET_AVX512 void e4m3_encode_bf16_avx512(const c10::BFloat16* x, int64_t n, int exponent, uint8_t* out) {
+  const __m512i rebias = _mm512_set1_epi16(static_cast<int16_t>(7 - ((120 + exponent) << 7)));  // 7: rounding
+  const __m512i smallest_normal = _mm512_set1_epi16(static_cast<int16_t>((121 + exponent) << 7));  // 2^(exponent-6)
+  const __m512 to_subnormal = _mm512_set1_ps(float_from_bits(static_cast<uint32_t>(136 - exponent) << 23));
+  const __m512 magic = _mm512_set1_ps(8388608.0f);  // 2^23
+  for (int64_t e = 0; e < n; e += 32) {
+    const __m512i words = _mm512_loadu_si512(x + e);
+    const __m512i magnitudes = _mm512_and_si512(words, _mm512_set1_epi16(0x7FFF));
+    const __m512i odd_lsb = _mm512_and_si512(_mm512_srli_epi16(magnitudes, 4), _mm512_set1_epi16(1));
+    const __m512i normal = _mm512_min_epu16(
+        _mm512_srli_epi16(_mm512_add_epi16(_mm512_add_epi16(magnitudes, odd_lsb), rebias), 4), _mm512_set1_epi16(0x7E));
+    const __m512i even = _mm512_castps_si512(
+        _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(magnitudes, 16)), to_subnormal, magic));
+    const __m512i odd = _mm512_castps_si512(_mm512_fmadd_ps(
+        _mm512_castsi512_ps(_mm512_and_si512(magnitudes, _mm512_set1_epi32(0xFFFF0000))), to_subnormal, magic));
+    // ternary-logic 0xE4: mask ? a : b, per bit
+    const __m512i subnormal = _mm512_ternarylogic_epi32(even, _mm512_slli_epi32(odd, 16), _mm512_set1_epi32(0xFFFF), 0xE4);
+    __m512i code = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(magnitudes, smallest_normal), normal, subnormal);
+    code = _mm512_mask_mov_epi16(code, _mm512_cmpgt_epu16_mask(magnitudes, _mm512_set1_epi16(0x7F80)),
+                                 _mm512_set1_epi16(0x7F));  // NaN
+    code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(words, 8), _mm512_set1_epi16(0x80), 0xF8);  // a | b & c
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e), _mm512_cvtepi16_epi8(code));
+  }
+}
+#endif
+
 // Quantizes one indexer key (FORMATS.md §2) into its block: FP8 values, then the scales' bytes.
 template <bool native, typename T>
 NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,
                                            int64_t offset, uint8_t* block) {
-  const int64_t qbs = layout.quant_block_size, vector_end = qbs - qbs % LANES;
+  const int64_t qbs = layout.quant_block_size;
   for (int64_t j = 0; j < layout.num_scales(); ++j) {
     const T* xj = x + j * qbs;
-    simd::i32x16 amax_vector = {};  // |x| bits, non-negative as int32
-    for (int64_t e = 0; e < vector_end; e += LANES)
-      amax_vector = simd::max(amax_vector, __builtin_bit_cast(simd::i32x16, simd::as_u32(simd::load16(xj + e)) & 0x7FFFFFFFu));
-    uint32_t amax = simd::reduce_max(amax_vector)[0];
-    for (int64_t e = vector_end; e < qbs; ++e) amax = std::max(amax, float_bits(static_cast<float>(xj[e])) & 0x7FFFFFFFu);
-    float scale = std::max(float_from_bits(amax), 1e-4f) / E4M3_MAX;
+    float scale = std::max(float_from_bits(simd::amax_bits(xj, qbs)), 1e-4f) / E4M3_MAX;
     uint8_t* values = block + layout.value_offset(offset) + j * qbs;
-    auto encode = [&](auto scaled) __attribute__((always_inline)) {
-      for (int64_t e = 0; e < vector_end; e += LANES) {
-        simd::u8x16 codes = __builtin_convertvector(simd::e4m3_encode<native>(scaled(simd::load16(xj + e))), simd::u8x16);
-        asm("" : "+v"(codes));  // narrow in a register: Zen 4 narrows into memory (VPMOVDB m128) slowly
+    auto encode = [&](int64_t e, auto scaled) __attribute__((always_inline)) {  // values e.. of the block
+      for (; e + LANES <= qbs; e += LANES) {
+        const simd::u8x16 codes = __builtin_convertvector(simd::e4m3_encode<native>(scaled(simd::load16(xj + e))), simd::u8x16);
         std::memcpy(values + e, &codes, sizeof codes);
       }
-      for (int64_t e = vector_end; e < qbs; ++e) values[e] = e4m3_encode(scaled(static_cast<float>(xj[e])));
+      for (; e < qbs; ++e) values[e] = e4m3_encode(scaled(static_cast<float>(xj[e])));
     };
     uint8_t* scale_out = block + layout.scale_offset(offset, j);
     if (fmt == ScaleFormat::Float32) {
-      encode([scale](auto v) { return v / scale; });
+      encode(0, [scale](auto v) { return v / scale; });
       std::memcpy(scale_out, &scale, 4);
       continue;
     }
@@ -372,7 +399,14 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
     const int exponent = ceil_log2(scale);
     scale = float_from_bits(static_cast<uint32_t>(exponent + 127) << 23);
     const float inverse = float_from_bits(static_cast<uint32_t>(127 - exponent) << 23);
-    encode([inverse](auto v) { return v * inverse; });
+    int64_t done = 0;
+#if NVFP4_X86
+    if constexpr (native && std::is_same_v<T, c10::BFloat16>) {
+      done = qbs - qbs % 32;
+      e4m3_encode_bf16_avx512(xj, done, exponent, values);
+    }
+#endif
+    encode(done, [inverse](auto v) { return v * inverse; });
     if (fmt == ScaleFormat::MXFP8)
       std::memset(scale_out, exponent + 127, 4);  // the UE8M0 exponent byte, four times
     else

@@ -9,6 +9,7 @@
 #include <torch/headeronly/util/BFloat16.h>
 #include <torch/headeronly/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -111,19 +112,35 @@ SIMD_INLINE i16x16 reduce_max(i16x16 m) {
   return max(m, __builtin_shufflevector(m, m, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
 }
 
-// Float32 bit pattern of max |x| over 16 values: |x| compares like its bits (NaN above inf, as torch's
-// amax keeps NaN). 16-bit inputs are compared in their own format and only the maximum is widened.
-SIMD_INLINE uint32_t amax_bits(const float* p) {
-  return reduce_max(__builtin_bit_cast(i32x16, as_u32(load16(p)) & 0x7FFFFFFFu))[0];
+// Float32 bit pattern of max |x| over 16 values, or over n (the indexer's quantization blocks): |x| compares
+// like its bits (NaN above inf, as torch's amax keeps NaN). 16-bit inputs are compared in their own format and
+// only the maximum is widened.
+SIMD_INLINE uint32_t amax_bits(const float* p, int64_t n = 16) {
+  i32x16 m = {};
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16) m = max(m, __builtin_bit_cast(i32x16, as_u32(load16(p + e)) & 0x7FFFFFFFu));
+  uint32_t best = reduce_max(m)[0];
+  for (; e < n; ++e) best = std::max(best, __builtin_bit_cast(uint32_t, p[e]) & 0x7FFFFFFFu);
+  return best;
 }
-SIMD_INLINE uint16_t max_abs_bits16(const void* p) {
-  i16x16 raw;
-  std::memcpy(&raw, p, sizeof raw);
-  return reduce_max(raw & 0x7FFF)[0];
+SIMD_INLINE uint16_t max_abs_bits16(const void* p, int64_t n) {
+  const uint16_t* bits = static_cast<const uint16_t*>(p);
+  i16x16 m = {};
+  int64_t e = 0;
+  for (; e + 16 <= n; e += 16) {
+    i16x16 raw;
+    std::memcpy(&raw, bits + e, sizeof raw);
+    m = max(m, raw & 0x7FFF);
+  }
+  uint16_t best = reduce_max(m)[0];
+  for (; e < n; ++e) best = std::max<uint16_t>(best, bits[e] & 0x7FFF);
+  return best;
 }
-SIMD_INLINE uint32_t amax_bits(const c10::BFloat16* p) { return static_cast<uint32_t>(max_abs_bits16(p)) << 16; }
-SIMD_INLINE uint32_t amax_bits(const c10::Half* p) {
-  return __builtin_bit_cast(uint32_t, static_cast<float>(c10::Half(max_abs_bits16(p), c10::Half::from_bits())));
+SIMD_INLINE uint32_t amax_bits(const c10::BFloat16* p, int64_t n = 16) {
+  return static_cast<uint32_t>(max_abs_bits16(p, n)) << 16;
+}
+SIMD_INLINE uint32_t amax_bits(const c10::Half* p, int64_t n = 16) {
+  return __builtin_bit_cast(uint32_t, static_cast<float>(c10::Half(max_abs_bits16(p, n), c10::Half::from_bits())));
 }
 
 // The 16 E2M1 values by code (bit 3 is the sign, so code 8 is -0).
