@@ -107,50 +107,90 @@ Isa cpu_isa() {
 // then all their codes.
 constexpr int BATCH = 4 * LANES;
 
-// Up to BATCH groups of one token (any heads): where each group's 16 values are, and where its 8 code bytes and
-// its block scale byte go.
-template <typename T>
-struct GroupBatch {
-  const T* src[BATCH];
-  uint8_t* data[BATCH];
-  uint8_t* scale[BATCH];
+// Where the groups of a token sit, relative to the token (group g: head g / scale_dim, group g % scale_dim of its
+// row). FORMATS.md §1's offsets are affine in the token, so a call computes these once and a token only moves
+// three base pointers. Scale offsets also depend on token % 4 (the swizzle): four rows of them.
+struct GroupOffsets {
+  std::vector<int64_t> src;    // elements, from the token's first value
+  std::vector<int64_t> data;   // bytes, from data_offset(token, 0)
+  std::vector<int64_t> scale;  // [4][groups] bytes, from scale_offset(token - token % 4, 0, 0, false)
+
+  GroupOffsets(const NVFP4PageLayout& layout, int64_t head_stride, bool swizzled) {
+    const int64_t scale_dim = layout.scale_dim(), groups = layout.num_heads * scale_dim;
+    const std::vector<int64_t> delta = scale_deltas(layout, swizzled);
+    src.resize(groups);
+    data.resize(groups);
+    scale.resize(4 * groups);
+    for (int64_t h = 0; h < layout.num_heads; ++h)
+      for (int64_t s = 0; s < scale_dim; ++s) {
+        const int64_t g = h * scale_dim + s;
+        src[g] = h * head_stride + s * NVFP4_GROUP;
+        data[g] = layout.data_offset(0, h) + s * NVFP4_GROUP / 2;
+        for (int64_t r = 0; r < 4; ++r)
+          scale[r * groups + g] =
+              layout.scale_offset(0, h, 0, false) - layout.scale_offset(0, 0, 0, false) + delta[r * scale_dim + s];
+      }
+  }
 };
 
-// Writes the block scales (FORMATS.md §1) of `count` <= 16 groups from their max |x| (float32 bits) and returns
-// the float32 factors 1 / (SF · global) that bring each group onto the E2M1 grid (0 where SF is 0).
-template <bool native>
-NVFP4_INLINE simd::f32x16 write_block_scales(uint8_t* const* scale, int count, simd::u32x16 amax, float global,
-                                             float inv_global) {
+// The groups of one token on one side of its block.
+template <typename T>
+struct TokenGroups {
+  const T* x;
+  uint8_t* data;   // side + data_offset(token, 0)
+  uint8_t* scale;  // side + scale_offset(token - token % 4, 0, 0, false)
+  const int64_t* src_offsets;
+  const int64_t* data_offsets;
+  const int64_t* scale_offsets;  // the token % 4 row
+
+  const T* values(int g) const { return x + src_offsets[g]; }
+  uint8_t* codes(int g) const { return data + data_offsets[g]; }
+  uint8_t* scale_byte(int g) const { return scale + scale_offsets[g]; }
+};
+
+// Writes the block scales (FORMATS.md §1) of groups first..first+count-1 (count <= 16) from their max |x| (float32
+// bits) and returns the float32 factors 1 / (SF · global) that bring each group onto the E2M1 grid (0 where SF is 0).
+template <bool native, typename T>
+NVFP4_INLINE simd::f32x16 write_block_scales(const TokenGroups<T>& t, int first, int count, simd::u32x16 amax,
+                                             float global, float inv_global) {
   const simd::u32x16 sf = simd::e4m3_encode<native>(simd::as_f32(amax) * ONE_SIXTH * inv_global);
   const simd::f32x16 sf_value = simd::e4m3_decode<native>(sf);
-  for (int i = 0; i < count; ++i) *scale[i] = static_cast<uint8_t>(sf[i]);
+  uint8_t sf_bytes[LANES];
+  const simd::u8x16 narrowed = __builtin_convertvector(sf, simd::u8x16);
+  std::memcpy(sf_bytes, &narrowed, sizeof sf_bytes);
+  asm("" : : "m"(sf_bytes));  // keep the bytes in memory: byte loads beat one lane extraction each
+  for (int i = 0; i < count; ++i) *t.scale_byte(first + i) = sf_bytes[i];
   return simd::as_f32(simd::where_greater<native>(simd::i32x16{} + 1, simd::as_i32(simd::as_u32(sf_value)),
                                                   simd::u32x16{}, simd::as_u32(1.0f / (sf_value * global))));
 }
 
-// Encodes `count` groups of 16 values, each scaled by its out_scale in float32, into 8 packed bytes each:
+// Encodes groups first..first+count-1, each scaled by its out_scale in float32, into 8 packed bytes each:
 // quant.h's e2m1_encode and nibble packing, one group a vector.
 template <typename T>
-NVFP4_INLINE void encode_groups_generic(const T* const* src, const float* out_scale, uint8_t* const* out, int count) {
-  for (int i = 0; i < count; ++i) simd::pack_e2m1(simd::e2m1_encode(simd::load16(src[i]) * out_scale[i]), out[i]);
+NVFP4_INLINE void encode_groups_generic(const TokenGroups<T>& t, int first, int count, const float* out_scale) {
+  for (int i = 0; i < count; ++i)
+    simd::pack_e2m1(simd::e2m1_encode(simd::load16(t.values(first + i)) * out_scale[i]), t.codes(first + i));
 }
 
-// Quantizes a batch of groups: each group's max |x|, the block scales, then the codes by `encode`.
-template <typename T, void (*encode)(const T* const*, const float*, uint8_t* const*, int), bool native>
-NVFP4_INLINE void quantize_groups(const GroupBatch<T>& batch, int count, float global, float inv_global) {
-  alignas(64) float out_scale[BATCH];
-  for (int first = 0; first < count; first += LANES) {
-    const int n = std::min(count - first, LANES);
-    simd::u32x16 amax = {};
-    for (int i = 0; i < n; ++i) amax[i] = simd::amax_bits(batch.src[first + i]);
-    simd::store16(write_block_scales<native>(batch.scale + first, n, amax, global, inv_global), out_scale + first);
+// Quantizes a token's groups, a batch at a time: each group's max |x|, the block scales, then the codes by `encode`.
+template <typename T, void (*encode)(const TokenGroups<T>&, int, int, const float*), bool native>
+NVFP4_INLINE void quantize_token(const TokenGroups<T>& t, int groups, float global, float inv_global) {
+  for (int batch = 0; batch < groups; batch += BATCH) {
+    const int count = std::min(groups - batch, BATCH);
+    alignas(64) float out_scale[BATCH];
+    for (int first = 0; first < count; first += LANES) {
+      const int n = std::min(count - first, LANES);
+      simd::u32x16 amax = {};
+      for (int i = 0; i < n; ++i) amax[i] = simd::amax_bits(t.values(batch + first + i));
+      simd::store16(write_block_scales<native>(t, batch + first, n, amax, global, inv_global), out_scale + first);
+    }
+    encode(t, batch, count, out_scale);
   }
-  encode(batch.src, out_scale, batch.data, count);
 }
 
 template <typename T>
-void quantize_groups_baseline(const GroupBatch<T>& batch, int count, float global, float inv_global) {
-  quantize_groups<T, encode_groups_generic<T>, false>(batch, count, global, inv_global);
+void quantize_token_baseline(const TokenGroups<T>& t, int groups, float global, float inv_global) {
+  quantize_token<T, encode_groups_generic<T>, false>(t, groups, global, inv_global);
 }
 
 #if NVFP4_X86
@@ -171,11 +211,11 @@ __attribute__((target("bmi2"), always_inline)) inline uint64_t packed_codes(cons
   static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(lo, t, op)) | (_mm256_movemask_ps(_mm256_cmp_ps(hi, t, op)) << 8))
 
 template <typename T>
-NVFP4_TARGET_AVX2 void encode_groups_avx2(const T* const* src, const float* out_scale, uint8_t* const* out, int count) {
+NVFP4_TARGET_AVX2 void encode_groups_avx2(const TokenGroups<T>& t, int first, int count, const float* out_scale) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int i = 0; i < count; ++i) {
     alignas(64) float scaled[NVFP4_GROUP];
-    simd::store16(simd::load16(src[i]) * out_scale[i], scaled);
+    simd::store16(simd::load16(t.values(first + i)) * out_scale[i], scaled);
     const __m256 lo = _mm256_load_ps(scaled), hi = _mm256_load_ps(scaled + 8);
     const __m256 a_lo = _mm256_and_ps(lo, abs_mask), a_hi = _mm256_and_ps(hi, abs_mask);
     const uint32_t m[7] = {NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(0.25f), _CMP_GT_OQ),
@@ -187,50 +227,49 @@ NVFP4_TARGET_AVX2 void encode_groups_avx2(const T* const* src, const float* out_
                            NVFP4_MASK16(a_lo, a_hi, _mm256_set1_ps(5.0f), _CMP_GT_OQ)};
     const uint32_t sign = _mm256_movemask_ps(lo) | (_mm256_movemask_ps(hi) << 8);
     const uint64_t packed = packed_codes(m, sign);
-    std::memcpy(out[i], &packed, sizeof packed);
+    std::memcpy(t.codes(first + i), &packed, sizeof packed);
   }
 }
 #undef NVFP4_MASK16
 
 template <typename T>
-NVFP4_TARGET_AVX2 void quantize_groups_avx2(const GroupBatch<T>& batch, int count, float global, float inv_global) {
-  quantize_groups<T, encode_groups_avx2<T>, false>(batch, count, global, inv_global);
+NVFP4_TARGET_AVX2 void quantize_token_avx2(const TokenGroups<T>& t, int groups, float global, float inv_global) {
+  quantize_token<T, encode_groups_avx2<T>, false>(t, groups, global, inv_global);
 }
 
 // AVX-512, float16 and float32 inputs: the generic form (vector comparisons are single instructions here).
 template <typename T>
-NVFP4_TARGET_AVX512 void quantize_groups_avx512(const GroupBatch<T>& batch, int count, float global,
-                                                float inv_global) {
-  quantize_groups<T, encode_groups_generic<T>, true>(batch, count, global, inv_global);
+NVFP4_TARGET_AVX512 void quantize_token_avx512(const TokenGroups<T>& t, int groups, float global, float inv_global) {
+  quantize_token<T, encode_groups_generic<T>, true>(t, groups, global, inv_global);
 }
 
 // E2M1 magnitude codes of non-negative, non-NaN lanes, in the low 3 bits (above them, 0x4B000000's bits):
 // cuda/e2m1.h's arithmetic form, the minimum of 2a, a + 2 and min(a, 6)/2 + 4, each rounded to an integer (ties
 // to even) by adding 2^23. A fused multiply-add rounds once, as the exact products do.
 NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i e2m1_magnitudes(__m512 a) {
-  const __m512 magic = _mm512_set1_ps(8388608.0f);
-  const __m512i fine = _mm512_castps_si512(_mm512_fmadd_ps(a, _mm512_set1_ps(2.0f), magic));
-  const __m512i mid = _mm512_castps_si512(_mm512_add_ps(a, _mm512_set1_ps(8388610.0f)));
-  const __m512i coarse = _mm512_castps_si512(
-      _mm512_fmadd_ps(_mm512_min_ps(a, _mm512_set1_ps(6.0f)), _mm512_set1_ps(0.5f), _mm512_set1_ps(8388612.0f)));
-  return _mm512_min_epu32(_mm512_min_epu32(fine, mid), coarse);  // positive floats order as their bits
+  const __m512 fine = _mm512_fmadd_ps(a, _mm512_set1_ps(2.0f), _mm512_set1_ps(8388608.0f));
+  const __m512 mid = _mm512_add_ps(a, _mm512_set1_ps(8388610.0f));
+  const __m512 coarse =
+      _mm512_fmadd_ps(_mm512_min_ps(a, _mm512_set1_ps(6.0f)), _mm512_set1_ps(0.5f), _mm512_set1_ps(8388612.0f));
+  return _mm512_castps_si512(_mm512_min_ps(_mm512_min_ps(fine, mid), coarse));
 }
 
 // AVX-512, bfloat16 (the usual KV dtype), two groups a vector. Read as 32-bit lanes, a pair of bf16 values is
 // its even element in the low half and its odd element in the high half, so shifting and masking give the even
 // and odd elements as float32 with no conversion, and an odd code shifted next to its even one is the packed
 // byte. The maxima of 16 groups come from one transposing reduction over 8 vectors instead of one reduction each.
-NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i load_pair(const GroupBatch<c10::BFloat16>& batch, int count, int i) {
+// Groups g and g + 1 (zeros past the last group).
+NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i load_pair(const TokenGroups<c10::BFloat16>& t, int groups, int g) {
   alignas(32) static const uint16_t zeros[NVFP4_GROUP] = {};
-  auto group = [&](int g) { return reinterpret_cast<const __m256i*>(g < count ? static_cast<const void*>(batch.src[g]) : zeros); };
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(group(i))), _mm256_loadu_si256(group(i + 1)), 1);
+  auto group = [&](int i) { return reinterpret_cast<const __m256i*>(i < groups ? static_cast<const void*>(t.values(i)) : zeros); };
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(group(g))), _mm256_loadu_si256(group(g + 1)), 1);
 }
 
-// Float32 bits of max |x| of groups first..first+15 (0 past count).
-NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i amax_bits16(const GroupBatch<c10::BFloat16>& batch, int count, int first) {
+// Float32 bits of max |x| of groups first..first+15 (0 past the last group).
+NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i amax_bits16(const TokenGroups<c10::BFloat16>& t, int groups, int first) {
   __m512i magnitudes[LANES / 2];  // pair k: group 2k in the low 256 bits, 2k + 1 in the high
   for (int k = 0; k < LANES / 2; ++k)  // |x| as int16 orders like |x|
-    magnitudes[k] = _mm512_and_si512(load_pair(batch, count, first + 2 * k), _mm512_set1_epi16(0x7FFF));
+    magnitudes[k] = _mm512_and_si512(load_pair(t, groups, first + 2 * k), _mm512_set1_epi16(0x7FFF));
   // Each step merges two vectors and halves the lanes a group spans. Groups 4p..4p+3 in 128-bit chunks:
   __m512i quads[4];
   for (int p = 0; p < 4; ++p)
@@ -248,66 +287,54 @@ NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i amax_bits16(const GroupBatch<c10::BFloa
 }
 
 template <>
-NVFP4_TARGET_AVX512 void quantize_groups_avx512(const GroupBatch<c10::BFloat16>& batch, int count, float global,
-                                                float inv_global) {
-  alignas(64) float out_scale[BATCH];
-  bool usable = true;  // every factor finite and non-negative: then |x · factor| = |x| · factor, its sign x's
-  for (int first = 0; first < count; first += LANES) {
-    const simd::f32x16 factors = write_block_scales<true>(batch.scale + first, std::min(count - first, LANES),
-                                                    __builtin_bit_cast(simd::u32x16, amax_bits16(batch, count, first)),
-                                                    global, inv_global);
-    usable &= _mm512_cmplt_epu32_mask(__builtin_bit_cast(__m512i, factors), _mm512_set1_epi32(0x7F800000)) == 0xFFFF;
-    simd::store16(factors, out_scale + first);
-  }
-  if (!usable) {
-    encode_groups_generic(batch.src, out_scale, batch.data, count);
-    return;
-  }
-  for (int i = 0; i < count; i += 2) {
-    const __m512i words = load_pair(batch, count, i);
-    const __m512i magnitudes = _mm512_and_si512(words, _mm512_set1_epi16(0x7FFF));
-    const __m512 factor = _mm512_permutexvar_ps(  // group i's in lanes 0-7, i + 1's in lanes 8-15
-        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-        _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(out_scale + i)))));
-    const __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(magnitudes, 16)), factor);
-    const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(magnitudes, _mm512_set1_epi32(0xFFFF0000))), factor);
-    // Select bits by mask (ternary-logic 0xE4: mask ? a : b): even codes in bits 0-3, odd codes in bits 4-7, and
-    // the signs (bits 15 and 31 of the pair) in bits 3 and 7.
-    const __m512i codes = _mm512_ternarylogic_epi32(e2m1_magnitudes(even), _mm512_slli_epi32(e2m1_magnitudes(odd), 4),
-                                                    _mm512_set1_epi32(0x0F), 0xE4);
-    const __m512i signs = _mm512_ternarylogic_epi32(_mm512_srli_epi32(words, 12), _mm512_srli_epi32(words, 24),
-                                                    _mm512_set1_epi32(0x08), 0xE4);
-    const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(codes, signs, _mm512_set1_epi32(0x88), 0xF8));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(batch.data[i]), bytes);
-    if (i + 1 < count) _mm_storeh_pi(reinterpret_cast<__m64*>(batch.data[i + 1]), _mm_castsi128_ps(bytes));
+NVFP4_TARGET_AVX512 void quantize_token_avx512(const TokenGroups<c10::BFloat16>& t, int groups, float global,
+                                               float inv_global) {
+  for (int batch = 0; batch < groups; batch += BATCH) {
+    const int count = std::min(groups - batch, BATCH);
+    alignas(64) float out_scale[BATCH];
+    bool usable = true;  // every factor finite and non-negative: then |x · factor| = |x| · factor, its sign x's
+    for (int first = 0; first < count; first += LANES) {
+      const simd::f32x16 factors = write_block_scales<true>(
+          t, batch + first, std::min(count - first, LANES),
+          __builtin_bit_cast(simd::u32x16, amax_bits16(t, groups, batch + first)), global, inv_global);
+      usable &= _mm512_cmplt_epu32_mask(__builtin_bit_cast(__m512i, factors), _mm512_set1_epi32(0x7F800000)) == 0xFFFF;
+      simd::store16(factors, out_scale + first);
+    }
+    if (!usable) {
+      encode_groups_generic(t, batch, count, out_scale);
+      continue;
+    }
+    for (int i = 0; i < count; i += 2) {
+      const __m512i words = load_pair(t, groups, batch + i);
+      const __m512i magnitudes = _mm512_and_si512(words, _mm512_set1_epi16(0x7FFF));
+      const __m512 factor = _mm512_permutexvar_ps(  // group i's in lanes 0-7, i + 1's in lanes 8-15
+          _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+          _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(out_scale + i)))));
+      const __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(magnitudes, 16)), factor);
+      const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(magnitudes, _mm512_set1_epi32(0xFFFF0000))), factor);
+      // Select bits by mask (ternary-logic 0xE4: mask ? a : b): even codes in bits 0-3, odd codes in bits 4-7, and
+      // the signs (bits 15 and 31 of the pair) in bits 3 and 7.
+      const __m512i codes = _mm512_ternarylogic_epi32(e2m1_magnitudes(even), _mm512_slli_epi32(e2m1_magnitudes(odd), 4),
+                                                      _mm512_set1_epi32(0x0F), 0xE4);
+      const __m512i signs = _mm512_ternarylogic_epi32(_mm512_srli_epi32(words, 12), _mm512_srli_epi32(words, 24),
+                                                      _mm512_set1_epi32(0x08), 0xE4);
+      const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(codes, signs, _mm512_set1_epi32(0x88), 0xF8));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(t.codes(batch + i)), bytes);
+      if (i + 1 < count) _mm_storeh_pi(reinterpret_cast<__m64*>(t.codes(batch + i + 1)), _mm_castsi128_ps(bytes));
+    }
   }
 }
 #endif
 
-// Quantizes the num_heads rows of one token into `side` (one side of one block), FORMATS.md §1, a batch of
-// groups at a time by `quantize`.
+// Quantizes the num_heads rows of one token into `side` (one side of one block), FORMATS.md §1.
 template <typename T>
-NVFP4_INLINE void store_token_impl(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t token,
-                                   const int64_t* scale_delta, float global, float inv_global, uint8_t* side,
-                                   void (*quantize)(const GroupBatch<T>&, int, float, float)) {
-  GroupBatch<T> batch;
-  int lanes = 0;
-  const int64_t r = token % 4, scale_dim = layout.scale_dim();
-  for (int64_t h = 0; h < layout.num_heads; ++h) {
-    const T* row = x + h * head_stride;
-    uint8_t* entry_data = side + layout.data_offset(token, h);
-    uint8_t* entry_scales = side + layout.scale_offset(token - r, h, 0, false);
-    for (int64_t s = 0; s < scale_dim; ++s) {
-      batch.src[lanes] = row + s * NVFP4_GROUP;
-      batch.data[lanes] = entry_data + s * NVFP4_GROUP / 2;
-      batch.scale[lanes] = entry_scales + scale_delta[r * scale_dim + s];
-      if (++lanes == BATCH) {
-        quantize(batch, lanes, global, inv_global);
-        lanes = 0;
-      }
-    }
-  }
-  if (lanes) quantize(batch, lanes, global, inv_global);
+NVFP4_INLINE void store_token_impl(const T* x, const GroupOffsets& offsets, const NVFP4PageLayout& layout,
+                                   int64_t token, float global, float inv_global, uint8_t* side,
+                                   void (*quantize)(const TokenGroups<T>&, int, float, float)) {
+  const int groups = static_cast<int>(offsets.src.size());
+  const TokenGroups<T> t{x, side + layout.data_offset(token, 0), side + layout.scale_offset(token - token % 4, 0, 0, false),
+                         offsets.src.data(), offsets.data.data(), offsets.scale.data() + token % 4 * groups};
+  quantize(t, groups, global, inv_global);
 }
 
 // quant.h's e4m3_decode of every byte, so the gather reads a group's block scale with one load.
@@ -416,9 +443,9 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
 
 #define NVFP4_ROW_KERNELS(ISA, TARGET, NATIVE)                                                                            \
   template <typename T>                                                                                           \
-  TARGET void store_token_##ISA(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t token,    \
-                                const int64_t* scale_delta, float global, float inv_global, uint8_t* side) {      \
-    store_token_impl(x, head_stride, layout, token, scale_delta, global, inv_global, side, quantize_groups_##ISA<T>);\
+  TARGET void store_token_##ISA(const T* x, const GroupOffsets& offsets, const NVFP4PageLayout& layout,         \
+                                int64_t token, float global, float inv_global, uint8_t* side) {                   \
+    store_token_impl(x, offsets, layout, token, global, inv_global, side, quantize_token_##ISA<T>);              \
   }                                                                                                               \
   template <typename T>                                                                                           \
   TARGET void load_token_##ISA(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,                 \
@@ -473,7 +500,7 @@ void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor&
   const int64_t block_stride = key_cache.stride(0);
   const int64_t key_token_stride = key.stride(0), key_head_stride = key.stride(1);
   const int64_t value_token_stride = value.stride(0), value_head_stride = value.stride(1);
-  const std::vector<int64_t> k_deltas = scale_deltas(layout, false), v_deltas = scale_deltas(layout, swizzle_v_scales);
+  const GroupOffsets k_offsets(layout, key_head_stride, false), v_offsets(layout, value_head_stride, swizzle_v_scales);
   dispatch_float_types(key.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const auto kernels = RowKernels<T>::get();
@@ -484,10 +511,8 @@ void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor&
       const int64_t slot = slots[i];
       if (slot < 0) continue;  // padding token
       const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
-      kernels.store_token(k + i * key_token_stride, key_head_stride, layout, offset, k_deltas.data(), kg, inv_kg,
-                  k_base + block * block_stride);
-      kernels.store_token(v + i * value_token_stride, value_head_stride, layout, offset, v_deltas.data(), vg, inv_vg,
-                  v_base + block * block_stride);
+      kernels.store_token(k + i * key_token_stride, k_offsets, layout, offset, kg, inv_kg, k_base + block * block_stride);
+      kernels.store_token(v + i * value_token_stride, v_offsets, layout, offset, vg, inv_vg, v_base + block * block_stride);
     }
   });
 }
