@@ -55,8 +55,13 @@ __device__ __forceinline__ void store_token(const Elements<kElems, T>& x, int64_
 
   uint32_t scale_word;
   const float scale = quant_scale<kFmt>(amax, &scale_word);
-  // A power-of-two scale divides exactly as a multiply by its inverse; the float32 format needs the division.
-  const float inv_scale = 1.0f / scale;
+  // A power-of-two scale divides exactly as a multiply by its inverse 2^-e, made from 2^e's bits: exact for
+  // e <= 126 (scale <= max float / 448 < 2^120); +inf gives 0, as 1/inf does. The float32 format divides.
+  float inv_scale = 0.0f;
+  if constexpr (kFmt != ScaleFormat::Float32) {
+    const uint32_t bits = __float_as_uint(scale);
+    inv_scale = bits < 0x7F000000u ? __uint_as_float(0x7F000000u - bits) : 0.0f;
+  }
   uint32_t words[kElems / 4];  // FP8 bytes, element 4w + i in byte i of words[w]
 #pragma unroll
   for (int w = 0; w < kElems / 4; ++w) {
@@ -74,8 +79,13 @@ __device__ __forceinline__ void store_token(const Elements<kElems, T>& x, int64_
   uint8_t* base = kv_cache + block * block_stride;
   const int first_element = chunk * kElems;
   uint8_t* values = base + layout.value_offset(offset) + first_element;
+  // The quant block is a power of two: the scale's place by shifts (layout.scale_offset divides in 64 bits).
+  const int shift = __ffs(quant_block) - 1;
+  const int64_t num_scales = layout.head_dim >> shift;
   uint8_t* scale_out =
-      first_element % quant_block == 0 ? base + layout.scale_offset(offset, first_element / quant_block) : nullptr;
+      (first_element & (quant_block - 1)) == 0
+          ? base + layout.block_size * layout.head_dim + (offset * num_scales + (first_element >> shift)) * 4
+          : nullptr;
   if constexpr (kVector) {  // one kElems-byte store
     if constexpr (kElems == 16) *reinterpret_cast<uint4*>(values) = make_uint4(words[0], words[1], words[2], words[3]);
     else *reinterpret_cast<uint2*>(values) = make_uint2(words[0], words[1]);
