@@ -159,7 +159,13 @@ NVFP4_INLINE simd::f32x16 write_block_scales(const TokenGroups<T>& t, int first,
   const simd::u8x16 narrowed = __builtin_convertvector(sf, simd::u8x16);
   std::memcpy(sf_bytes, &narrowed, sizeof sf_bytes);
   asm("" : : "m"(sf_bytes));  // keep the bytes in memory: byte loads beat one lane extraction each
-  for (int i = 0; i < count; ++i) *t.scale_byte(first + i) = sf_bytes[i];
+  // Locals: a byte store may alias anything, so members would be reloaded after each one.
+  uint8_t* const scale = t.scale;
+  const int64_t* const offsets = t.scale_offsets + first;
+  if (count == LANES)  // unrolled, no count checks
+    for (int i = 0; i < LANES; ++i) scale[offsets[i]] = sf_bytes[i];
+  else
+    for (int i = 0; i < count; ++i) scale[offsets[i]] = sf_bytes[i];
   return simd::as_f32(simd::where_greater<native>(simd::i32x16{} + 1, simd::as_i32(simd::as_u32(sf_value)),
                                                   simd::u32x16{}, simd::as_u32(1.0f / (sf_value * global))));
 }
@@ -287,8 +293,9 @@ NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i amax_bits16(const TokenGroups<c10::BFlo
 }
 
 template <>
-NVFP4_TARGET_AVX512 void quantize_token_avx512(const TokenGroups<c10::BFloat16>& t, int groups, float global,
+NVFP4_TARGET_AVX512 void quantize_token_avx512(const TokenGroups<c10::BFloat16>& token, int groups, float global,
                                                float inv_global) {
+  const TokenGroups<c10::BFloat16> t = token;  // a local: the code stores may alias anything, a local does not
   for (int batch = 0; batch < groups; batch += BATCH) {
     const int count = std::min(groups - batch, BATCH);
     alignas(64) float out_scale[BATCH];
