@@ -107,7 +107,10 @@ def _fake(hidden_states, q_fp8, k, weights, kv_cache, topk_indices_buffer, layer
 
 
 # Only the index buffer is declared mutated, as vLLM declares its own indexer op (the cache is written in place).
-direct_register_custom_op(OP_NAME, nvfp4_sparse_attn_indexer, mutates_args=["topk_indices_buffer"], fake_impl=_fake)
+# Registered for every backend, not only the platform's dispatch key (vLLM's default): the op runs the plugin's
+# CPU or CUDA kernels by the tensors' device, so CPU tensors also run where vLLM's platform is CUDA.
+direct_register_custom_op(OP_NAME, nvfp4_sparse_attn_indexer, mutates_args=["topk_indices_buffer"], fake_impl=_fake,
+                          dispatch_key="CompositeExplicitAutograd")
 
 
 def _unsupported(use_fp4_cache: bool, compress_ratio: int, candidate_blocks) -> str | None:
