@@ -351,8 +351,43 @@ const std::array<float, 256> E4M3_VALUES = [] {
   return values;
 }();
 
+#if NVFP4_X86
+// AVX-512, a bfloat16 row of an even number of groups, two groups a vector: the 16 possible outputs
+// (e2m1 · SF) · global of each group, rounded to bf16 (finite scales: no NaN), form one 32-entry table that the
+// codes of both groups index (the second group's codes offset by 16).
+// simd::bf16_bits_of_numbers, left in the high half.
+NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i bf16_rounded(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)),
+                          _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+}
+
+NVFP4_TARGET_AVX512 void dequantize_row_bf16_avx512(const uint8_t* data, const uint8_t* scales, const int64_t* delta,
+                                                    int64_t scale_dim, float global, c10::BFloat16* out) {
+  const __m512 e2m1 = __builtin_bit_cast(__m512, simd::E2M1_VALUES);
+  const __m512i second_group = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 16 << 16 | 16, 16 << 16 | 16,
+                                                 16 << 16 | 16, 16 << 16 | 16, 16 << 16 | 16, 16 << 16 | 16,
+                                                 16 << 16 | 16, 16 << 16 | 16);
+  const __m512i high_halves = _mm512_setr_epi32(  // words 2k + 1 of two vectors: their bf16 roundings
+      1 | 3 << 16, 5 | 7 << 16, 9 | 11 << 16, 13 | 15 << 16, 17 | 19 << 16, 21 | 23 << 16, 25 | 27 << 16, 29 | 31 << 16,
+      33 | 35 << 16, 37 | 39 << 16, 41 | 43 << 16, 45 | 47 << 16, 49 | 51 << 16, 53 | 55 << 16, 57 | 59 << 16,
+      61 | 63 << 16);
+  for (int64_t s = 0; s < scale_dim; s += 2) {
+    const __m512 first = _mm512_mul_ps(_mm512_mul_ps(e2m1, _mm512_set1_ps(E4M3_VALUES[scales[delta[s]]])),
+                                       _mm512_set1_ps(global));
+    const __m512 second = _mm512_mul_ps(_mm512_mul_ps(e2m1, _mm512_set1_ps(E4M3_VALUES[scales[delta[s + 1]]])),
+                                        _mm512_set1_ps(global));
+    const __m512i table = _mm512_permutex2var_epi16(bf16_rounded(first), high_halves, bf16_rounded(second));
+    // Code bytes as 32-bit lanes; a byte's two nibbles go to the low and high 16 bits: (b | b << 12) & 0x000F000F.
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data + s * NVFP4_GROUP / 2)));
+    const __m512i codes = _mm512_ternarylogic_epi32(bytes, _mm512_slli_epi32(bytes, 12), _mm512_set1_epi32(0x000F000F), 0xA8);
+    _mm512_storeu_si512(out + s * NVFP4_GROUP, _mm512_permutexvar_epi16(_mm512_or_si512(codes, second_group), table));
+  }
+}
+#endif
+
 // Dequantizes the num_heads entries of one token of `side`: (e2m1 · SF) · global in float32, then cast.
-template <typename T>
+template <bool native, typename T>
 NVFP4_INLINE void load_token_impl(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,
                                   const int64_t* scale_delta, float global, T* out, int64_t head_stride) {
   const int64_t r = token % 4, scale_dim = layout.scale_dim();
@@ -360,6 +395,19 @@ NVFP4_INLINE void load_token_impl(const uint8_t* side, const NVFP4PageLayout& la
     const uint8_t* entry_data = side + layout.data_offset(token, h);
     const uint8_t* entry_scales = side + layout.scale_offset(token - r, h, 0, false);
     T* row = out + h * head_stride;
+#if NVFP4_X86
+    if constexpr (native && std::is_same_v<T, c10::BFloat16>) {
+      if (scale_dim % 2 == 0 && std::isfinite(global)) {  // block scales are finite or NaN; NaN ones go below
+        const int64_t* delta = scale_delta + r * scale_dim;
+        bool finite = true;
+        for (int64_t s = 0; s < scale_dim; ++s) finite &= (entry_scales[delta[s]] & 0x7F) != 0x7F;
+        if (finite) {
+          dequantize_row_bf16_avx512(entry_data, entry_scales, delta, scale_dim, global, row);
+          continue;
+        }
+      }
+    }
+#endif
     for (int64_t s = 0; s < scale_dim; ++s) {
       const float sf = E4M3_VALUES[entry_scales[scale_delta[r * scale_dim + s]]];
       simd::dequantize_group(entry_data + s * NVFP4_GROUP / 2, sf, global, row + s * NVFP4_GROUP);
@@ -457,7 +505,7 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
   template <typename T>                                                                                           \
   TARGET void load_token_##ISA(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,                 \
                                const int64_t* scale_delta, float global, T* out, int64_t head_stride) {          \
-    load_token_impl(side, layout, token, scale_delta, global, out, head_stride);                                  \
+    load_token_impl<NATIVE>(side, layout, token, scale_delta, global, out, head_stride);                          \
   }                                                                                                               \
   template <typename T>                                                                                           \
   TARGET void indexer_store_token_##ISA(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,            \
