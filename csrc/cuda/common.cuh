@@ -85,14 +85,20 @@ __device__ __forceinline__ Elements<N, T> load_elements(const T* src) {
   return e;
 }
 
-// max |x| over N elements, NaNs skipped as fmaxf skips them. bf16 and fp16 go by pairs: the packed max
-// instructions (three-way on SM90) take half the issue slots of one float max per element.
-template <int N, typename T>
+// The larger of two non-negative floats, a positive NaN above all: their bits order them as integers.
+__device__ __forceinline__ float max_magnitude(float a, float b) {
+  return __uint_as_float(max(__float_as_uint(a), __float_as_uint(b)));
+}
+
+// max |x| over N elements: NaNs skipped as fmaxf skips them, or, with kKeepNaN, propagated (NaN above inf, as
+// torch's amax). bf16 and fp16 go by pairs: the packed max instructions (three-way on SM90) take half the issue
+// slots of one float max per element.
+template <int N, typename T, bool kKeepNaN = false>
 __device__ __forceinline__ float max_abs(const Elements<N, T>& x) {
   if constexpr (std::is_same_v<T, float>) {
     float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < N; ++i) amax = fmaxf(amax, fabsf(x.x[i]));
+    for (int i = 0; i < N; ++i) amax = kKeepNaN ? max_magnitude(amax, fabsf(x.x[i])) : fmaxf(amax, fabsf(x.x[i]));
     return amax;
   } else {
     using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
@@ -101,8 +107,10 @@ __device__ __forceinline__ float max_abs(const Elements<N, T>& x) {
     if constexpr (std::is_same_v<T, __half>) amax = __float2half2_rn(0.0f);
     else amax = __float2bfloat162_rn(0.0f);
 #pragma unroll
-    for (int i = 0; i < N / 2; ++i) amax = __hmax2(amax, __habs2(pairs[i]));
-    return fmaxf(to_float(amax.x), to_float(amax.y));
+    for (int i = 0; i < N / 2; ++i)
+      amax = kKeepNaN ? __hmax2_nan(amax, __habs2(pairs[i])) : __hmax2(amax, __habs2(pairs[i]));
+    const float lo = to_float(amax.x), hi = to_float(amax.y);
+    return kKeepNaN ? max_magnitude(lo, hi) : fmaxf(lo, hi);
   }
 }
 

@@ -28,15 +28,17 @@ constexpr int CHUNK = 16;  // value bytes per gather thread
 constexpr float E4M3_MAX = 448.0f;
 
 // scale = max(amax, 1e-4) / 448, for ue8m0/mxfp8 rounded up to a power of two; returns its 4 cache bytes.
+// A block holding inf or NaN gets the power-of-two scale 1, as in the reference (frexp's exponent 0 for them).
 template <ScaleFormat kFmt>
 __device__ __forceinline__ float quant_scale(float amax, uint32_t* scale_word) {
-  float scale = fmaxf(amax, 1e-4f) / E4M3_MAX;
+  float scale = max_magnitude(amax, 1e-4f) / E4M3_MAX;  // NaN kept, as torch.maximum keeps it
   if constexpr (kFmt == ScaleFormat::Float32) {
     *scale_word = __float_as_uint(scale);
     return scale;
   }
-  uint32_t bits = __float_as_uint(scale);  // a positive normal float
-  if (bits & 0x7FFFFFu) bits = (bits & 0x7F800000u) + 0x800000u;  // 2^ceil(log2 scale)
+  uint32_t bits = __float_as_uint(scale);  // a positive normal float, inf or NaN
+  if (bits >= 0x7F800000u) bits = 0x3F800000u;
+  else if (bits & 0x7FFFFFu) bits = (bits & 0x7F800000u) + 0x800000u;  // 2^ceil(log2 scale)
   *scale_word = kFmt == ScaleFormat::MXFP8 ? (bits >> 23) * 0x01010101u : bits;  // UE8M0 byte, four times
   return __uint_as_float(bits);
 }
@@ -47,10 +49,10 @@ template <int kElems, bool kVector, ScaleFormat kFmt, typename T>
 __device__ __forceinline__ void store_token(const Elements<kElems, T>& x, int64_t slot, bool active, int chunk,
                                             unsigned warp_lanes, uint8_t* __restrict__ kv_cache, int64_t block_stride,
                                             IndexerCacheLayout layout) {
-  float amax = max_abs(x);
+  float amax = max_abs<kElems, T, true>(x);
   const int quant_block = static_cast<int>(layout.quant_block_size);
   for (int mask = quant_block / kElems / 2; mask > 0; mask /= 2)  // the block's lanes: a power of two <= 32
-    amax = fmaxf(amax, __shfl_xor_sync(warp_lanes, amax, mask));
+    amax = max_magnitude(amax, __shfl_xor_sync(warp_lanes, amax, mask));
   if (!active) return;
 
   uint32_t scale_word;
@@ -72,6 +74,13 @@ __device__ __forceinline__ void store_token(const Elements<kElems, T>& x, int64_
       q[i] = kFmt == ScaleFormat::Float32 ? v / scale : v * inv_scale;
     }
     words[w] = e4m3_pair(q[0], q[1]) | (e4m3_pair(q[2], q[3]) << 16);
+  }
+  if (__float_as_uint(amax) > 0x7F800000u) {  // a NaN in the block: the hardware's NaN code is 0x7F, the
+#pragma unroll                                 // reference's keeps the input's sign
+    for (int i = 0; i < kElems; ++i) {
+      const float v = to_float(x.x[i]);
+      if (isnan(v)) words[i / 4] |= (__float_as_uint(v) >> 31) << (8 * (i % 4) + 7);
+    }
   }
   // 32-bit: a cache on one GPU has fewer than 2^32 slots (each takes at least 8 bytes).
   const uint32_t slot32 = static_cast<uint32_t>(slot), block_size = static_cast<uint32_t>(layout.block_size);
