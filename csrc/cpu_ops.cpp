@@ -114,6 +114,7 @@ struct GroupOffsets {
   std::vector<int64_t> src;    // elements, from the token's first value
   std::vector<int64_t> data;   // bytes, from data_offset(token, 0)
   std::vector<int64_t> scale;  // [4][groups] bytes, from scale_offset(token - token % 4, 0, 0, false)
+  bool rows_of_eight = false;  // every 8 groups from a multiple of 8 have consecutive scale bytes (linear scales)
 
   GroupOffsets(const NVFP4PageLayout& layout, int64_t head_stride, bool swizzled) {
     const int64_t scale_dim = layout.scale_dim(), groups = layout.num_heads * scale_dim;
@@ -130,6 +131,8 @@ struct GroupOffsets {
           scale[r * groups + g] =
               layout.scale_offset(0, h, 0, false) - layout.scale_offset(0, 0, 0, false) + delta[r * scale_dim + s];
       }
+    rows_of_eight = scale_dim % 8 == 0;
+    for (int64_t g = 0; g < 4 * groups; ++g) rows_of_eight &= scale[g] == scale[g - g % 8] + g % 8;
   }
 };
 
@@ -142,6 +145,7 @@ struct TokenGroups {
   const int64_t* src_offsets;
   const int64_t* data_offsets;
   const int64_t* scale_offsets;  // the token % 4 row
+  bool scales_in_rows_of_eight;  // GroupOffsets::rows_of_eight
 
   const T* values(int g) const { return x + src_offsets[g]; }
   uint8_t* codes(int g) const { return data + data_offsets[g]; }
@@ -162,7 +166,9 @@ NVFP4_INLINE simd::f32x16 write_block_scales(const TokenGroups<T>& t, int first,
   // Locals: a byte store may alias anything, so members would be reloaded after each one.
   uint8_t* const scale = t.scale;
   const int64_t* const offsets = t.scale_offsets + first;
-  if (count == LANES)  // unrolled, no count checks
+  if (t.scales_in_rows_of_eight && count % 8 == 0)
+    for (int i = 0; i < count; i += 8) std::memcpy(scale + offsets[i], sf_bytes + i, 8);
+  else if (count == LANES)  // unrolled, no count checks
     for (int i = 0; i < LANES; ++i) scale[offsets[i]] = sf_bytes[i];
   else
     for (int i = 0; i < count; ++i) scale[offsets[i]] = sf_bytes[i];
@@ -267,8 +273,16 @@ NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i e2m1_magnitudes(__m512 a) {
 // Groups g and g + 1 (zeros past the last group).
 NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i load_pair(const TokenGroups<c10::BFloat16>& t, int groups, int g) {
   alignas(32) static const uint16_t zeros[NVFP4_GROUP] = {};
-  auto group = [&](int i) { return reinterpret_cast<const __m256i*>(i < groups ? static_cast<const void*>(t.values(i)) : zeros); };
-  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(group(g))), _mm256_loadu_si256(group(g + 1)), 1);
+  const void* first = zeros;
+  const void* second = zeros;
+  if (g + 1 < groups) {  // one check for both in the usual case
+    first = t.values(g);
+    second = t.values(g + 1);
+  } else if (g < groups) {
+    first = t.values(g);
+  }
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(static_cast<const __m256i*>(first))),
+                            _mm256_loadu_si256(static_cast<const __m256i*>(second)), 1);
 }
 
 // Float32 bits of max |x| of groups first..first+15 (0 past the last group).
@@ -340,7 +354,8 @@ NVFP4_INLINE void store_token_impl(const T* x, const GroupOffsets& offsets, cons
                                    void (*quantize)(const TokenGroups<T>&, int, float, float)) {
   const int groups = static_cast<int>(offsets.src.size());
   const TokenGroups<T> t{x, side + layout.data_offset(token, 0), side + layout.scale_offset(token - token % 4, 0, 0, false),
-                         offsets.src.data(), offsets.data.data(), offsets.scale.data() + token % 4 * groups};
+                         offsets.src.data(), offsets.data.data(), offsets.scale.data() + token % 4 * groups,
+                         offsets.rows_of_eight};
   quantize(t, groups, global, inv_global);
 }
 
