@@ -141,12 +141,10 @@ def timer(fn: Callable[[], None], device: str) -> Callable[[], tuple[float, floa
 
 
 def paired_medians(fn: Callable[[], None], copy: Callable[[], None], device: str, repeats: int):
-    """Median wall seconds of `fn` and of `copy`, timed alternately so a busy machine slows both alike, and the
-    median CPU seconds of `fn`."""
+    """Median (wall, CPU) seconds of `fn` and of `copy`, timed alternately so a busy machine slows both alike."""
     run, run_copy = timer(fn, device), timer(copy, device)
     pairs = [(run(), run_copy()) for _ in range(repeats)]
-    return (statistics.median(p[0][0] for p in pairs), statistics.median(p[1][0] for p in pairs),
-            statistics.median(p[0][1] for p in pairs))
+    return [tuple(statistics.median(p[which][clock] for p in pairs) for clock in (0, 1)) for which in (0, 1)]
 
 
 def device_name(device: str) -> str:
@@ -157,27 +155,32 @@ def device_name(device: str) -> str:
     return f"{model}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
 
 
-def measure(device: str, repeats: int) -> list[tuple[Bench, float, float, float]]:
-    """(bench, GB/s, memcpy GB/s of the same bytes, CPU ns per work item) for every op, the memcpy timed
-    alternately with the op."""
+def measure(device: str, repeats: int) -> list[tuple[Bench, float, float, float, float]]:
+    """(bench, GB/s, memcpy GB/s of the same bytes, CPU ns per work item, op / memcpy by CPU time) for every op,
+    the memcpy timed alternately with the op."""
     rows = []
     for bench in benches(device):
         copy = memcpy_bench(bench.bytes, device)
-        seconds, copy_seconds, cpu_seconds = paired_medians(bench.run, copy.run, device, repeats)
+        (seconds, cpu_seconds), (copy_seconds, copy_cpu_seconds) = paired_medians(bench.run, copy.run, device, repeats)
         rows.append((bench, bench.bytes / seconds / 1e9, copy.bytes / copy_seconds / 1e9,
-                     cpu_seconds / bench.units * 1e9 if bench.units else float("nan")))
+                     cpu_seconds / bench.units * 1e9 if bench.units else float("nan"),
+                     copy_cpu_seconds / cpu_seconds * bench.bytes / copy.bytes))
         del copy
     return rows
 
 
 def table(rows, device: str) -> str:
+    """CPU rows add the op's CPU time per work item and its bandwidth by CPU time as a share of the memcpy's (the
+    load of other processes moves it far less than the wall-time share)."""
     cpu = device == "cpu"
-    lines = ["| op | MB read+written | GB/s | memcpy GB/s | % of memcpy | goal |" + (" CPU time per item |" if cpu else ""),
-             "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: |" if cpu else "")]
-    for bench, gbps, copy_gbps, cpu_ns in rows:
+    lines = ["| op | MB read+written | GB/s | memcpy GB/s | % of memcpy | goal |"
+             + (" CPU time per item | % of memcpy by CPU time |" if cpu else ""),
+             "| --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if cpu else "")]
+    for bench, gbps, copy_gbps, cpu_ns, cpu_share in rows:
         goal = f"{bench.goal:.0%}" if bench.goal else ""
         lines.append(f"| {bench.name} | {bench.bytes / 1e6:.1f} | {gbps:.2f} | {copy_gbps:.2f} | "
-                     f"{gbps / copy_gbps:.0%} | {goal} |" + (f" {cpu_ns:.2f} ns/{bench.unit} |" if cpu else ""))
+                     f"{gbps / copy_gbps:.0%} | {goal} |"
+                     + (f" {cpu_ns:.2f} ns/{bench.unit} | {cpu_share:.0%} |" if cpu else ""))
     return "\n".join(lines)
 
 
