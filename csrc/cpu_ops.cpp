@@ -115,6 +115,7 @@ struct GroupOffsets {
   std::vector<int64_t> data;   // bytes, from data_offset(token, 0)
   std::vector<int64_t> scale;  // [4][groups] bytes, from scale_offset(token - token % 4, 0, 0, false)
   bool rows_of_eight = false;  // every 8 groups from a multiple of 8 have consecutive scale bytes (linear scales)
+  bool even_rows = false;      // rows of an even number of groups: groups 2k and 2k + 1 are adjacent in and out
 
   GroupOffsets(const NVFP4PageLayout& layout, int64_t head_stride, bool swizzled) {
     const int64_t scale_dim = layout.scale_dim(), groups = layout.num_heads * scale_dim;
@@ -131,6 +132,7 @@ struct GroupOffsets {
           scale[r * groups + g] =
               layout.scale_offset(0, h, 0, false) - layout.scale_offset(0, 0, 0, false) + delta[r * scale_dim + s];
       }
+    even_rows = scale_dim % 2 == 0;
     rows_of_eight = scale_dim % 8 == 0;
     for (int64_t g = 0; g < 4 * groups; ++g) rows_of_eight &= scale[g] == scale[g - g % 8] + g % 8;
   }
@@ -146,6 +148,7 @@ struct TokenGroups {
   const int64_t* data_offsets;
   const int64_t* scale_offsets;  // the token % 4 row
   bool scales_in_rows_of_eight;  // GroupOffsets::rows_of_eight
+  bool even_rows;                // GroupOffsets::even_rows
 
   const T* values(int g) const { return x + src_offsets[g]; }
   uint8_t* codes(int g) const { return data + data_offsets[g]; }
@@ -306,6 +309,23 @@ NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i amax_bits16(const TokenGroups<c10::BFlo
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), pairs);
 }
 
+// The 16 code bytes of a pair of groups (as load_pair gives them) with factors[0] and factors[1].
+NVFP4_TARGET_AVX512 NVFP4_INLINE __m128i encode_pair(__m512i words, const float* factors) {
+  const __m512i magnitudes = _mm512_and_si512(words, _mm512_set1_epi16(0x7FFF));
+  const __m512 factor = _mm512_permutexvar_ps(  // the first group's in lanes 0-7, the second's in lanes 8-15
+      _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+      _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(factors)))));
+  const __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(magnitudes, 16)), factor);
+  const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(magnitudes, _mm512_set1_epi32(0xFFFF0000))), factor);
+  // Select bits by mask (ternary-logic 0xE4: mask ? a : b): even codes in bits 0-3, odd codes in bits 4-7, and
+  // the signs (bits 15 and 31 of the pair) in bits 3 and 7.
+  const __m512i codes = _mm512_ternarylogic_epi32(e2m1_magnitudes(even), _mm512_slli_epi32(e2m1_magnitudes(odd), 4),
+                                                  _mm512_set1_epi32(0x0F), 0xE4);
+  const __m512i signs = _mm512_ternarylogic_epi32(_mm512_srli_epi32(words, 12), _mm512_srli_epi32(words, 24),
+                                                  _mm512_set1_epi32(0x08), 0xE4);
+  return _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(codes, signs, _mm512_set1_epi32(0x88), 0xF8));
+}
+
 template <>
 NVFP4_TARGET_AVX512 void quantize_token_avx512(const TokenGroups<c10::BFloat16>& token, int groups, float global,
                                                float inv_global) {
@@ -325,21 +345,14 @@ NVFP4_TARGET_AVX512 void quantize_token_avx512(const TokenGroups<c10::BFloat16>&
       encode_groups_generic(t, batch, count, out_scale);
       continue;
     }
+    if (t.even_rows) {  // each pair in one load and one store
+      for (int i = 0; i < count; i += 2)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(t.codes(batch + i)),
+                         encode_pair(_mm512_loadu_si512(t.values(batch + i)), out_scale + i));
+      continue;
+    }
     for (int i = 0; i < count; i += 2) {
-      const __m512i words = load_pair(t, groups, batch + i);
-      const __m512i magnitudes = _mm512_and_si512(words, _mm512_set1_epi16(0x7FFF));
-      const __m512 factor = _mm512_permutexvar_ps(  // group i's in lanes 0-7, i + 1's in lanes 8-15
-          _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
-          _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(out_scale + i)))));
-      const __m512 even = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(magnitudes, 16)), factor);
-      const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(magnitudes, _mm512_set1_epi32(0xFFFF0000))), factor);
-      // Select bits by mask (ternary-logic 0xE4: mask ? a : b): even codes in bits 0-3, odd codes in bits 4-7, and
-      // the signs (bits 15 and 31 of the pair) in bits 3 and 7.
-      const __m512i codes = _mm512_ternarylogic_epi32(e2m1_magnitudes(even), _mm512_slli_epi32(e2m1_magnitudes(odd), 4),
-                                                      _mm512_set1_epi32(0x0F), 0xE4);
-      const __m512i signs = _mm512_ternarylogic_epi32(_mm512_srli_epi32(words, 12), _mm512_srli_epi32(words, 24),
-                                                      _mm512_set1_epi32(0x08), 0xE4);
-      const __m128i bytes = _mm512_cvtepi32_epi8(_mm512_ternarylogic_epi32(codes, signs, _mm512_set1_epi32(0x88), 0xF8));
+      const __m128i bytes = encode_pair(load_pair(t, groups, batch + i), out_scale + i);
       _mm_storel_epi64(reinterpret_cast<__m128i*>(t.codes(batch + i)), bytes);
       if (i + 1 < count) _mm_storeh_pi(reinterpret_cast<__m64*>(t.codes(batch + i + 1)), _mm_castsi128_ps(bytes));
     }
@@ -355,7 +368,7 @@ NVFP4_INLINE void store_token_impl(const T* x, const GroupOffsets& offsets, cons
   const int groups = static_cast<int>(offsets.src.size());
   const TokenGroups<T> t{x, side + layout.data_offset(token, 0), side + layout.scale_offset(token - token % 4, 0, 0, false),
                          offsets.src.data(), offsets.data.data(), offsets.scale.data() + token % 4 * groups,
-                         offsets.rows_of_eight};
+                         offsets.rows_of_eight, offsets.even_rows};
   quantize(t, groups, global, inv_global);
 }
 
