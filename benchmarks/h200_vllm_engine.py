@@ -50,10 +50,11 @@ LOG_LINES = {
 }
 
 
-def llm_args(kv_cache_dtype: str, backend: str) -> dict:
+def llm_args(kv_cache_dtype: str, backend: str | None) -> dict:
+    """`backend` None: vLLM's choice (on the CPU platform, CPU_ATTN, which the plugin overrides)."""
     return {"enforce_eager": True, "max_model_len": 1024, "kv_cache_memory_bytes": KV_CACHE_BYTES,
             "gpu_memory_utilization": 0.05, "dtype": "bfloat16", "max_num_batched_tokens": CHUNK,
-            "max_num_seqs": 8, "kv_cache_dtype": kv_cache_dtype, "attention_backend": backend,
+            "max_num_seqs": 8, "kv_cache_dtype": kv_cache_dtype, "attention_backend": backend or "auto",
             "compilation_config": {"custom_ops": ["none"]},
             # vLLM's compiled RMSNorm is not built here: the IR ops take their native implementation first.
             "kernel_config": {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}}}
@@ -85,16 +86,25 @@ def agreement(run: dict, ref: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flashinfer-path", required=True, help="folder holding the flashinfer package")
+    parser.add_argument("--flashinfer-path", help="folder holding the flashinfer package (GPU runs)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="run the same requests on vLLM's CPU platform instead (engines cpu-nvfp4, cpu-bf16): "
+                             "the plugin's CPU path, which calibrates benchmarks/h200_vllm_score.py's scores")
     parser.add_argument("--out", help="folder: engine.md (the table), engine.json (the outputs), engine_*.log")
     args = parser.parse_args()
+    if not args.cpu and not args.flashinfer_path:
+        parser.error("--flashinfer-path is needed for the GPU engines")
     base_path = os.environ.get("PYTHONPATH", "")
-    with_flashinfer = os.pathsep.join(p for p in (args.flashinfer_path, base_path) if p)
+    with_flashinfer = os.pathsep.join(p for p in (args.flashinfer_path or "", base_path) if p)
 
     jobs = {}
     for head in (64, 128, 256):
         model = str(tiny_llama_path(head_dim=head))
         job = {"model": model, "max_tokens": MAX_TOKENS, "batches": BATCHES}
+        if args.cpu:
+            jobs[(head, "cpu-nvfp4")] = ({**job, "llm": llm_args("nvfp4", None)}, base_path)
+            jobs[(head, "cpu-bf16")] = ({**job, "llm": llm_args("auto", None)}, base_path)
+            continue
         jobs[(head, "nvfp4")] = ({**job, "llm": llm_args("nvfp4", "CUSTOM")}, with_flashinfer)
         if head != 64:
             jobs[(head, "nvfp4-core")] = ({**job, "llm": llm_args("nvfp4", "CUSTOM")}, base_path)
@@ -107,7 +117,7 @@ def main() -> None:
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # reported; the other engines still run
             return key, {"error": str(e)[-4000:]}
 
-    with ThreadPoolExecutor(len(jobs)) as pool:
+    with ThreadPoolExecutor(2 if args.cpu else len(jobs)) as pool:  # CPU engines share the host's cores
         results = dict(pool.map(run, jobs))
 
     rows = ["| head | engine | KV tokens | log says | greedy vs bf16 | FlashInfer vs core |",
@@ -117,8 +127,8 @@ def main() -> None:
             rows.append(f"| {head} | {name} | failed | {result['error'].splitlines()[-1][:150]} | | |")
             continue
         said = ", ".join(k for k, line in LOG_LINES.items() if line in result["log"])
-        ref = results.get((head, "bf16"), {})
-        vs_bf16 = agreement(result, ref) if "outputs" in ref and name != "bf16" else ""
+        ref = results.get((head, "cpu-bf16" if args.cpu else "bf16"), {})
+        vs_bf16 = agreement(result, ref) if "outputs" in ref and not name.endswith("bf16") else ""
         core = results.get((head, "nvfp4-core"), {})
         vs_core = agreement(result, core) if name == "nvfp4" and "outputs" in core else ""
         rows.append(f"| {head} | {name} | {result['kv_tokens']} | {said} | {vs_bf16} | {vs_core} |")

@@ -13,7 +13,7 @@ the reference of its own cache. Runs on the CPU (no GPU needed): the tiny models
 `models.tiny_llama_path` with the same seed; the scores themselves show whether the weights match (a bf16
 engine scored ~100% against the bf16 reference cannot come from other weights).
 
-    python benchmarks/h200_vllm_score.py ENGINE_JSON
+    python benchmarks/h200_vllm_score.py ENGINE_JSON [ENGINE_JSON ...]   (e.g. the H200's and the CPU's)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from vllm_nvfp4_plugin.models import tiny_llama_path
 from vllm_nvfp4_plugin.reference import nvfp4_decode, nvfp4_encode
 
-from h200_vllm_engine import BATCHES
+from h200_vllm_engine import BATCHES, agreement
 
 REFERENCES = ("bf16 KV", "NVFP4 KV")
 
@@ -68,9 +68,11 @@ def score(model: LlamaForCausalLM, prompts: list[list[int]], outputs: list[dict]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine_json")
+    parser.add_argument("engine_json", nargs="+")
     args = parser.parse_args()
-    runs = json.loads(open(args.engine_json).read())
+    runs = {}
+    for path in args.engine_json:
+        runs.update(json.loads(open(path).read()))
     print("Each cell: top-1 agreement of the engine's greedy tokens with the reference, mean logit gap.\n")
     print("| head | engine | positions | vs fp32 model, bf16 KV | vs fp32 model, NVFP4 KV |")
     print("| --- | --- | --- | --- | --- |")
@@ -80,9 +82,9 @@ def main() -> None:
         prompts = [tokenizer(p)["input_ids"] for batch in BATCHES for p in batch]
         models = {ref: LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=impl).eval()
                   for ref, impl in zip(REFERENCES, ("bf16_kv", "nvfp4_kv"))}
-        for name in ("bf16", "nvfp4", "nvfp4-core"):
-            run = runs.get(f"{head}-{name}")
-            if run is None or "outputs" not in run:
+        for key, run in runs.items():
+            name = key.split("-", 1)[1]
+            if not key.startswith(f"{head}-") or "outputs" not in run:
                 continue
             lens = [out["prompt_len"] for out in run["outputs"]]
             if lens != [len(p) for p in prompts]:
@@ -90,6 +92,14 @@ def main() -> None:
             cells = [score(models[ref], prompts, run["outputs"]) for ref in REFERENCES]
             print(f"| {head} | {name} | {cells[0][2]} | "
                   + " | ".join(f"{a:.1%}, gap {g:.3f}" for a, g, _ in cells) + " |")
+    # Greedy tokens of the same cache dtype across devices (when a --cpu run is given too).
+    pairs = [(f"{head}-{gpu}", f"{head}-cpu-{gpu.split('-')[0]}") for head in (64, 128, 256)
+             for gpu in ("nvfp4", "nvfp4-core", "bf16")]
+    rows = [f"| {a} | {b} | {agreement(runs[a], runs[b])} |" for a, b in pairs
+            if "outputs" in runs.get(a, {}) and "outputs" in runs.get(b, {})]
+    if rows:
+        print("\n| engine | same cache dtype on the CPU | greedy tokens |\n| --- | --- | --- |")
+        print("\n".join(rows))
 
 
 if __name__ == "__main__":
