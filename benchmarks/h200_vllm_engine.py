@@ -42,8 +42,10 @@ SYSTEM = ("You are a careful geography tutor. Answer every question with the nam
 BATCHES = [[SYSTEM + " First question."],
            [SYSTEM + " Second.", SYSTEM + " Third."],
            ["The quick brown fox", "Once upon a time", "The capital of France is", "1, 2, 3, 4,"]]
+# The plugin's "registered attention backends" line is not in an in-process engine's log (it is logged before
+# vLLM's handler exists); vLLM's backend line and the plugin backend's own lines show the registration.
 LOG_LINES = {
-    "registered": "vllm_nvfp4_plugin registered attention backends",
+    "custom_backend": "Using AttentionBackendEnum.CUSTOM backend",
     "custom_layers": "NVFP4 KV cache attention on CUDA",
     "flashinfer_decode": "NVFP4 decode through FlashInfer fa2",
     "core_only": "NVFP4 attention through the core only",
