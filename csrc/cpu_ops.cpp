@@ -457,29 +457,39 @@ inline int ceil_log2(float scale) {
 // (|x| / 2^exponent >= 2^-6): the 7 mantissa bits rounded to 3 (nearest even) and the exponent rebiased, saturating
 // at 448 with a minimum. Subnormal ones, round(|x| · 2^(9 - exponent)), come from float32 arithmetic (adding 2^23
 // rounds to an integer, ties to even) on the even and odd elements, read as the halves of 32-bit lanes.
-NVFP4_TARGET_AVX512 void e4m3_encode_bf16_avx512(const c10::BFloat16* x, int64_t n, int exponent, uint8_t* out) {
+NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i e4m3_codes_bf16(__m512i words, int exponent) {
   const __m512i rebias = _mm512_set1_epi16(static_cast<int16_t>(7 - ((120 + exponent) << 7)));  // 7: rounding
   const __m512i smallest_normal = _mm512_set1_epi16(static_cast<int16_t>((121 + exponent) << 7));  // 2^(exponent-6)
-  const __m512 to_subnormal = _mm512_set1_ps(float_from_bits(static_cast<uint32_t>(136 - exponent) << 23));
-  const __m512 magic = _mm512_set1_ps(8388608.0f);  // 2^23
-  for (int64_t e = 0; e < n; e += 32) {
-    const __m512i words = _mm512_loadu_si512(x + e);
-    const __m512i magnitudes = _mm512_and_si512(words, _mm512_set1_epi16(0x7FFF));
-    const __m512i odd_lsb = _mm512_and_si512(_mm512_srli_epi16(magnitudes, 4), _mm512_set1_epi16(1));
-    const __m512i normal = _mm512_min_epu16(
-        _mm512_srli_epi16(_mm512_add_epi16(_mm512_add_epi16(magnitudes, odd_lsb), rebias), 4), _mm512_set1_epi16(0x7E));
+  const __m512i magnitudes = _mm512_and_si512(words, _mm512_set1_epi16(0x7FFF));
+  const __m512i odd_lsb = _mm512_and_si512(_mm512_srli_epi16(magnitudes, 4), _mm512_set1_epi16(1));
+  __m512i code = _mm512_min_epu16(
+      _mm512_srli_epi16(_mm512_add_epi16(_mm512_add_epi16(magnitudes, odd_lsb), rebias), 4), _mm512_set1_epi16(0x7E));
+  // Subnormal codes and NaN are rare (and only cost time where they occur).
+  if (const __mmask32 small = _mm512_cmplt_epu16_mask(magnitudes, smallest_normal)) {
+    const __m512 to_subnormal = _mm512_set1_ps(float_from_bits(static_cast<uint32_t>(136 - exponent) << 23));
+    const __m512 magic = _mm512_set1_ps(8388608.0f);  // 2^23
     const __m512i even = _mm512_castps_si512(
         _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(magnitudes, 16)), to_subnormal, magic));
     const __m512i odd = _mm512_castps_si512(_mm512_fmadd_ps(
         _mm512_castsi512_ps(_mm512_and_si512(magnitudes, _mm512_set1_epi32(0xFFFF0000))), to_subnormal, magic));
     // ternary-logic 0xE4: mask ? a : b, per bit
-    const __m512i subnormal = _mm512_ternarylogic_epi32(even, _mm512_slli_epi32(odd, 16), _mm512_set1_epi32(0xFFFF), 0xE4);
-    __m512i code = _mm512_mask_blend_epi16(_mm512_cmplt_epu16_mask(magnitudes, smallest_normal), normal, subnormal);
-    code = _mm512_mask_mov_epi16(code, _mm512_cmpgt_epu16_mask(magnitudes, _mm512_set1_epi16(0x7F80)),
-                                 _mm512_set1_epi16(0x7F));  // NaN
-    code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(words, 8), _mm512_set1_epi16(0x80), 0xF8);  // a | b & c
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e), _mm512_cvtepi16_epi8(code));
+    code = _mm512_mask_blend_epi16(small, code,
+                                   _mm512_ternarylogic_epi32(even, _mm512_slli_epi32(odd, 16), _mm512_set1_epi32(0xFFFF), 0xE4));
   }
+  if (const __mmask32 nan = _mm512_cmpgt_epu16_mask(magnitudes, _mm512_set1_epi16(0x7F80)))
+    code = _mm512_mask_mov_epi16(code, nan, _mm512_set1_epi16(0x7F));
+  return _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(words, 8), _mm512_set1_epi16(0x80), 0xF8);  // a | b & c
+}
+
+NVFP4_TARGET_AVX512 void e4m3_encode_bf16_avx512(const c10::BFloat16* x, int64_t n, int exponent, uint8_t* out) {
+  int64_t e = 0;
+  for (; e + 64 <= n; e += 64) {  // two vectors of codes narrowed by one pack (its 64-bit chunks then put in order)
+    const __m512i packed = _mm512_packus_epi16(e4m3_codes_bf16(_mm512_loadu_si512(x + e), exponent),
+                                               e4m3_codes_bf16(_mm512_loadu_si512(x + e + 32), exponent));
+    _mm512_storeu_si512(out + e, _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), packed));
+  }
+  for (; e < n; e += 32)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e), _mm512_cvtepi16_epi8(e4m3_codes_bf16(_mm512_loadu_si512(x + e), exponent)));
 }
 #endif
 
