@@ -5,26 +5,40 @@ The model is SmolLM2-135M-Instruct (real, not the random tiny model, whose flat 
 every greedy choice a coin toss). The 32 prompts are all different; 16 of them share one of two long
 prefixes (several 32-token blocks each), so shared NVFP4 blocks are read by concurrent requests.
 
-What "same text" can mean here, measured on this machine (fp32 weights, 32 x 16 tokens):
-- Prefill is batch-invariant: every request's first token and its log-probability are bit-identical.
-- Decode is not, by a few ulps: vLLM's oneDNN GEMM rounds the fp32 down_proj differently for one
-  row (a sequential decode) than for several, and batched decode attention pads contexts. NVFP4's
-  coarse grid turns a rare ulp difference into a flipped code, which moves later logits by up to
-  ~0.5 nats, so a close call can go the other way: 2 of 32 texts diverged, each by swapping the two
-  best tokens. With both ulp sources removed by hand (experiment, not shipped), 32 of 32 texts and
-  all log-probabilities were bit-identical, so the cache itself behaves the same under concurrency.
-- bf16 weights are far from batch-invariant (13 of 32 diverge even with vLLM's own bf16 KV: 6 of
-  32), hence float32 here.
-So the test demands: all first tokens identical, at most MAX_DIVERGED texts different, and each
-difference a swap of the two best tokens at a close call, never an unrelated token (a request that
-read another request's blocks, or stale ones, would produce those).
+Identical text needs a forward pass whose rows do not depend on how many rows the batch has. Measured
+on this machine (AMD EPYC Zen 4, 2 cores; fp32 weights, 32 x 16 tokens):
+- The plugin's side is row-invariant: each request is attended on its own slice of the dequantized
+  cache, exactly as when it runs alone.
+- vLLM 0.32's CPU linears run oneDNN matmul primitives built per batch size M
+  (`dispatch_cpu_unquantized_gemm` -> `onednn_mm`). With oneDNN's AVX-512 kernels the fp32 down_proj
+  (N=576, K=1536) gives other bits for M=1 (a sequential decode) than for M>=2; every other SmolLM2
+  shape is row-invariant. NVFP4 turns a rare ulp into a flipped code and later logits move by up to
+  ~0.5 nats, so with vLLM's defaults 30 of 32 texts match (2 differ by a swap of the two best tokens).
+  vLLM has no switch for this on CPU: VLLM_BATCH_INVARIANT installs matmul overrides for CUDA/ROCm/XPU
+  only (the CPU linears do not go through aten anyway), and on CPU the engine does not even start with
+  it (its Triton mean kernel, registered for aten::mean, fails in the first RMSNorm:
+  "'function' object is not subscriptable").
+- oneDNN's own ISA cap, ONEDNN_MAX_CPU_ISA=AVX2 (a server environment variable; requests still run
+  as one batch), selects kernels that are row-invariant for every SmolLM2 shape
+  (`test_onednn_avx2_gemms_are_row_invariant`). In that configuration all 32 texts and every
+  log-probability are bit-identical, which is asserted; the default configuration's count is printed
+  and bounded (each difference a top-2 swap at a close call, at most MAX_DIVERGED).
+- bf16 weights are not row-invariant even with vLLM's own bf16 KV cache (6 of 32 texts differed),
+  hence float32 here.
+A request that read another request's blocks, or stale ones, would produce unrelated tokens and
+different log-probabilities, which both tests would catch.
 """
 
+import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -37,16 +51,17 @@ MAX_TOKENS = 16
 NUM_REQUESTS = 32
 REQUEST_TIMEOUT_S = 300.0
 BLOCK_SIZE = 32
-MAX_DIVERGED = 4
+MAX_DIVERGED = 4  # the default configuration's bound (see the module docstring)
+ROW_INVARIANT_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 SHARED_PREFIXES = [
-    "The following is a short encyclopedia entry about rivers. Rivers carry fresh water from "
-    "mountains and hills down to lakes and seas. Along the way they shape valleys, feed farms, "
-    "and give towns a reason to grow on their banks. Some rivers flood every spring, while others "
-    "run dry in summer. Question: ",
-    "Here is a recipe card from a family kitchen. To bake a simple loaf of bread you need flour, "
-    "water, salt and yeast. Mix them, knead the dough for ten minutes, let it rise for an hour, "
-    "shape it, let it rise again, and bake it in a hot oven until the crust is brown. Question: ",
+    ("The following is a short encyclopedia entry about rivers. Rivers carry fresh water from "
+     "mountains and hills down to lakes and seas. Along the way they shape valleys, feed farms, "
+     "and give towns a reason to grow on their banks. Some rivers flood every spring, while others "
+     "run dry in summer. Question: "),
+    ("Here is a recipe card from a family kitchen. To bake a simple loaf of bread you need flour, "
+     "water, salt and yeast. Mix them, knead the dough for ten minutes, let it rise for an hour, "
+     "shape it, let it rise again, and bake it in a hot oven until the crust is brown. Question: "),
 ]
 PREFIX_QUESTIONS = [
     "What is the main idea?",
@@ -127,9 +142,8 @@ def reset_prefix_cache(client: httpx.Client) -> None:
     assert response.json()["success"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log_path = tmp_path_factory.mktemp("serve") / "vllm_serve.log"
+@contextmanager
+def serving(log_dir, extra_env: dict[str, str]):
     args = [
         "--served-model-name", MODEL_NAME,
         "--kv-cache-dtype", "nvfp4",
@@ -141,14 +155,23 @@ def server(tmp_path_factory):
         "--enforce-eager",
         "--seed", "0",
     ]  # fmt: skip
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    with VllmServer(smollm2_path(), args, env=env, log_path=log_path) as srv:
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", **extra_env}
+    with VllmServer(smollm2_path(), args, env=env, log_path=log_dir / "vllm_serve.log") as srv:
         yield srv
     with pytest.raises(ProcessLookupError):  # stop() left no engine-core or worker process behind
         os.killpg(srv.process.pid, 0)
 
 
-def test_concurrent_completions_match_sequential(server):
+@dataclass
+class Runs:
+    prompts: list[str]
+    sequential: list[tuple[list[str], list[dict[str, float]]]]
+    concurrent: list[tuple[list[str], list[dict[str, float]]]]
+
+
+def sequential_and_concurrent(server: VllmServer) -> Runs:
+    """The 32 completions one at a time, then all at once (after emptying the prefix cache); checks that
+    the concurrent ones really ran as one batch and shared cached prefix blocks."""
     prompts = make_prompts()
     with httpx.Client(base_url=server.base_url, timeout=REQUEST_TIMEOUT_S) as client:
         hits_before = metric(client, "prefix_cache_hits_total")
@@ -191,9 +214,28 @@ def test_concurrent_completions_match_sequential(server):
     assert concurrent_hits > 0, "no request read another request's cached prefix blocks"
     texts = ["".join(tokens) for tokens, _ in sequential]
     assert len(set(texts)) == NUM_REQUESTS, "answers barely depend on the prompt"
+    return Runs(prompts, sequential, concurrent)
 
+
+def test_concurrent_completions_equal_sequential_with_row_invariant_gemms(tmp_path):
+    """oneDNN capped at AVX2: every text, token and top-2 log-probability bit-identical."""
+    with serving(tmp_path, ROW_INVARIANT_ENV) as server:
+        runs = sequential_and_concurrent(server)
+    same = [seq == con for seq, con in zip(runs.sequential, runs.concurrent)]
+    print(f"ONEDNN_MAX_CPU_ISA=AVX2: identical greedy texts and log-probabilities: {sum(same)} of {NUM_REQUESTS}")
+    for prompt, (seq_tokens, seq_top), (con_tokens, con_top) in zip(runs.prompts, runs.sequential, runs.concurrent):
+        assert con_tokens == seq_tokens, f"{prompt!r}: {''.join(seq_tokens)!r} / {''.join(con_tokens)!r}"
+        assert con_top == seq_top, f"{prompt!r}: log-probabilities differ"
+
+
+def test_concurrent_completions_with_default_gemms_differ_only_at_close_calls(tmp_path):
+    """vLLM's defaults: every first token identical (prefill is row-invariant), at most MAX_DIVERGED texts
+    different, each a swap of the two best tokens, never an unrelated token."""
+    with serving(tmp_path, {}) as server:
+        runs = sequential_and_concurrent(server)
     diverged = []
-    for i, (prompt, (seq_tokens, seq_top), (con_tokens, con_top)) in enumerate(zip(prompts, sequential, concurrent)):
+    for i, (prompt, (seq_tokens, seq_top), (con_tokens, con_top)) in enumerate(
+            zip(runs.prompts, runs.sequential, runs.concurrent)):
         assert con_tokens[0] == seq_tokens[0] and con_top[0] == seq_top[0], f"prefill differs for {prompt!r}"
         k = first_difference(seq_tokens, con_tokens)
         if k is None:
@@ -203,8 +245,45 @@ def test_concurrent_completions_match_sequential(server):
             f"{prompt!r}: token {k} is {seq_tokens[k]!r} (top-2 {seq_top[k]}) sequentially but "
             f"{con_tokens[k]!r} (top-2 {con_top[k]}) concurrently"
         )
-    print(f"identical greedy texts: {NUM_REQUESTS - len(diverged)} of {NUM_REQUESTS}; top-2 swaps: {diverged}")
+    print(f"default oneDNN ISA: identical greedy texts: {NUM_REQUESTS - len(diverged)} of {NUM_REQUESTS}; "
+          f"top-2 swaps: {diverged}")
     assert len(diverged) <= MAX_DIVERGED
+
+
+GEMM_ROWS_SCRIPT = """
+import json, sys, torch
+from vllm import _custom_ops as ops
+torch.manual_seed(0)
+differing = {}
+for name, (n, k) in json.loads(sys.argv[1]).items():
+    handler = ops.create_onednn_mm((torch.randn(n, k) * 0.05).t(), 32)
+    x = torch.randn(40, k)
+    one_at_a_time = torch.cat([ops.onednn_mm(handler, row[None], None) for row in x])
+    differing[name] = [m for m in range(2, 41) if not torch.equal(ops.onednn_mm(handler, x[:m], None), one_at_a_time[:m])]
+print("RESULT " + json.dumps(differing))
+"""
+
+
+def onednn_rows_differing(shapes: dict[str, tuple[int, int]], env: dict[str, str]) -> dict[str, list[int]]:
+    """Per linear shape (N, K): the batch sizes M whose rows differ from the same rows computed one at a
+    time by vLLM's oneDNN fp32 matmul, in a fresh interpreter with `env`."""
+    proc = subprocess.run([sys.executable, "-c", GEMM_ROWS_SCRIPT, json.dumps(shapes)], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300, check=False)
+    results = [line[len("RESULT "):] for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and results, proc.stderr[-3000:]
+    return json.loads(results[-1])
+
+
+def test_onednn_avx2_gemms_are_row_invariant():
+    """The mechanism behind the row-invariant configuration, on SmolLM2's linear shapes."""
+    config = json.loads((smollm2_path() / "config.json").read_text())
+    hidden, heads, kv_heads = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    head = hidden // heads
+    shapes = {"qkv_proj": ((heads + 2 * kv_heads) * head, hidden), "o_proj": (hidden, heads * head),
+              "gate_up_proj": (2 * config["intermediate_size"], hidden),
+              "down_proj": (hidden, config["intermediate_size"])}
+    print(f"\nbatch sizes whose fp32 rows differ from M=1, default ISA: {onednn_rows_differing(shapes, {})}")
+    assert onednn_rows_differing(shapes, ROW_INVARIANT_ENV) == {name: [] for name in shapes}
 
 
 def test_server_that_exits_reports_its_log(tmp_path):
