@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("vllm_nvfp4_plugin")
+# A child of vLLM's "vllm" logger, so vLLM's handler prints it (as backends/__init__.py's does).
+logger = logging.getLogger("vllm.nvfp4_plugin")
 
 
 def register_indexer() -> None:
