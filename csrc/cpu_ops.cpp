@@ -380,9 +380,9 @@ const std::array<float, 256> E4M3_VALUES = [] {
 }();
 
 #if NVFP4_X86
-// AVX-512, a bfloat16 row of an even number of groups, two groups a vector: the 16 possible outputs
-// (e2m1 · SF) · global of each group, rounded to bf16 (finite scales: no NaN), form one 32-entry table that the
-// codes of both groups index (the second group's codes offset by 16).
+// AVX-512, a bfloat16 row of an even number of groups and a finite global scale, two groups a vector: the 16
+// possible outputs (e2m1 · SF) · global of each group, rounded to bf16 (finite, so no NaN fix-up), form one
+// 32-entry table that the codes of both groups index (the second group's codes offset by 16).
 // simd::bf16_bits_of_numbers, left in the high half.
 NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i bf16_rounded(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -401,10 +401,14 @@ NVFP4_TARGET_AVX512 void dequantize_row_bf16_avx512(const uint8_t* data, const u
       33 | 35 << 16, 37 | 39 << 16, 41 | 43 << 16, 45 | 47 << 16, 49 | 51 << 16, 53 | 55 << 16, 57 | 59 << 16,
       61 | 63 << 16);
   for (int64_t s = 0; s < scale_dim; s += 2) {
-    const __m512 first = _mm512_mul_ps(_mm512_mul_ps(e2m1, _mm512_set1_ps(E4M3_VALUES[scales[delta[s]]])),
-                                       _mm512_set1_ps(global));
-    const __m512 second = _mm512_mul_ps(_mm512_mul_ps(e2m1, _mm512_set1_ps(E4M3_VALUES[scales[delta[s + 1]]])),
-                                        _mm512_set1_ps(global));
+    const float first_scale = E4M3_VALUES[scales[delta[s]]], second_scale = E4M3_VALUES[scales[delta[s + 1]]];
+    if (std::isnan(first_scale) || std::isnan(second_scale)) {  // NaN groups: the general form
+      simd::dequantize_group(data + s * NVFP4_GROUP / 2, first_scale, global, out + s * NVFP4_GROUP);
+      simd::dequantize_group(data + (s + 1) * NVFP4_GROUP / 2, second_scale, global, out + (s + 1) * NVFP4_GROUP);
+      continue;
+    }
+    const __m512 first = _mm512_mul_ps(_mm512_mul_ps(e2m1, _mm512_set1_ps(first_scale)), _mm512_set1_ps(global));
+    const __m512 second = _mm512_mul_ps(_mm512_mul_ps(e2m1, _mm512_set1_ps(second_scale)), _mm512_set1_ps(global));
     const __m512i table = _mm512_permutex2var_epi16(bf16_rounded(first), high_halves, bf16_rounded(second));
     // Code bytes as 32-bit lanes; a byte's two nibbles go to the low and high 16 bits: (b | b << 12) & 0x000F000F.
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(data + s * NVFP4_GROUP / 2)));
@@ -425,14 +429,9 @@ NVFP4_INLINE void load_token_impl(const uint8_t* side, const NVFP4PageLayout& la
     T* row = out + h * head_stride;
 #if NVFP4_X86
     if constexpr (native && std::is_same_v<T, c10::BFloat16>) {
-      if (scale_dim % 2 == 0 && std::isfinite(global)) {  // block scales are finite or NaN; NaN ones go below
-        const int64_t* delta = scale_delta + r * scale_dim;
-        bool finite = true;
-        for (int64_t s = 0; s < scale_dim; ++s) finite &= (entry_scales[delta[s]] & 0x7F) != 0x7F;
-        if (finite) {
-          dequantize_row_bf16_avx512(entry_data, entry_scales, delta, scale_dim, global, row);
-          continue;
-        }
+      if (scale_dim % 2 == 0 && std::isfinite(global)) {
+        dequantize_row_bf16_avx512(entry_data, entry_scales, scale_delta + r * scale_dim, scale_dim, global, row);
+        continue;
       }
     }
 #endif
