@@ -24,6 +24,7 @@
 
 #include "checks.h"
 #include "layout.h"
+#include "cpu_e2m1_avx512.h"
 #include "cpu_simd.h"
 #include "quant.h"
 
@@ -258,17 +259,6 @@ NVFP4_TARGET_AVX512 void quantize_token_avx512(const TokenGroups<T>& t, int grou
   quantize_token<T, encode_groups_generic<T>, true>(t, groups, global, inv_global);
 }
 
-// E2M1 magnitude codes of non-negative, non-NaN lanes, in the low 3 bits (above them, 0x4B000000's bits):
-// cuda/e2m1.h's arithmetic form, the minimum of 2a, a + 2 and min(a, 6)/2 + 4, each rounded to an integer (ties
-// to even) by adding 2^23. A fused multiply-add rounds once, as the exact products do.
-NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i e2m1_magnitudes(__m512 a) {
-  const __m512 fine = _mm512_fmadd_ps(a, _mm512_set1_ps(2.0f), _mm512_set1_ps(8388608.0f));
-  const __m512 mid = _mm512_add_ps(a, _mm512_set1_ps(8388610.0f));
-  const __m512 coarse =
-      _mm512_fmadd_ps(_mm512_min_ps(a, _mm512_set1_ps(6.0f)), _mm512_set1_ps(0.5f), _mm512_set1_ps(8388612.0f));
-  return _mm512_castps_si512(_mm512_min_ps(_mm512_min_ps(fine, mid), coarse));
-}
-
 // AVX-512, bfloat16 (the usual KV dtype), two groups a vector. Read as 32-bit lanes, a pair of bf16 values is
 // its even element in the low half and its odd element in the high half, so shifting and masking give the even
 // and odd elements as float32 with no conversion, and an odd code shifted next to its even one is the packed
@@ -319,7 +309,7 @@ NVFP4_TARGET_AVX512 NVFP4_INLINE __m128i encode_pair(__m512i words, const float*
   const __m512 odd = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(magnitudes, _mm512_set1_epi32(0xFFFF0000))), factor);
   // Select bits by mask (ternary-logic 0xE4: mask ? a : b): even codes in bits 0-3, odd codes in bits 4-7, and
   // the signs (bits 15 and 31 of the pair) in bits 3 and 7.
-  const __m512i codes = _mm512_ternarylogic_epi32(e2m1_magnitudes(even), _mm512_slli_epi32(e2m1_magnitudes(odd), 4),
+  const __m512i codes = _mm512_ternarylogic_epi32(e2m1_magnitudes_avx512(even), _mm512_slli_epi32(e2m1_magnitudes_avx512(odd), 4),
                                                   _mm512_set1_epi32(0x0F), 0xE4);
   const __m512i signs = _mm512_ternarylogic_epi32(_mm512_srli_epi32(words, 12), _mm512_srli_epi32(words, 24),
                                                   _mm512_set1_epi32(0x08), 0xE4);

@@ -5,6 +5,7 @@ so byte equality over NHD and HND, linear and swizzled V scales, is also the pro
 """
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -311,6 +312,21 @@ def test_opcheck(device, index):
 
 
 # --- instruction-set variants -------------------------------------------------------------------------
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the encoder is x86-64 AVX-512 code")
+def test_avx512_e2m1_encoder_equals_reference_ladder_on_every_float(tmp_path):
+    """The AVX-512 store rounds to E2M1 with float arithmetic instead of the reference's comparisons; every
+    non-negative non-NaN float32 (its input is |x| times a finite factor) must get the ladder's code."""
+    with open("/proc/cpuinfo") as f:
+        if "avx512f" not in f.read():
+            pytest.skip("this CPU has no AVX-512 to run it")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    exe = tmp_path / "e2m1_avx512_exhaustive"
+    subprocess.run(["c++", "-O2", "-std=c++17", "-ffp-contract=off", f"-I{os.path.join(root, 'csrc')}",
+                    os.path.join(root, "tests", "e2m1_avx512_exhaustive.cpp"), "-o", str(exe)], check=True)
+    result = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("0 mismatches"), result.stdout
+
 
 def check_every_op_variant() -> None:
     """Every op, layout, V-scale order, dtype and scale format once against the reference (run per ISA)."""
