@@ -11,8 +11,8 @@ on this machine (AMD EPYC Zen 4, 2 cores; fp32 weights, 32 x 16 tokens):
   cache, exactly as when it runs alone.
 - vLLM 0.32's CPU linears run oneDNN matmul primitives built per batch size M
   (`dispatch_cpu_unquantized_gemm` -> `onednn_mm`). With oneDNN's AVX-512 kernels the fp32 down_proj
-  (N=576, K=1536) gives other bits for M=1 (a sequential decode) than for M>=2; every other SmolLM2
-  shape is row-invariant. NVFP4 turns a rare ulp into a flipped code and later logits move by up to
+  (N=576, K=1536; any K > 1024) gives other bits for M=1 (a sequential decode) than for M>=2; every
+  other SmolLM2 shape is row-invariant. NVFP4 turns a rare ulp into a flipped code and later logits move by up to
   ~0.5 nats, so with vLLM's defaults 30 of 32 texts match (2 differ by a swap of the two best tokens).
   vLLM has no switch for this on CPU: VLLM_BATCH_INVARIANT installs matmul overrides for CUDA/ROCm/XPU
   only (the CPU linears do not go through aten anyway), and on CPU the engine does not even start with
