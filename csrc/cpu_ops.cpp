@@ -176,8 +176,9 @@ NVFP4_INLINE simd::f32x16 write_block_scales(const TokenGroups<T>& t, int first,
     for (int i = 0; i < LANES; ++i) scale[offsets[i]] = sf_bytes[i];
   else
     for (int i = 0; i < count; ++i) scale[offsets[i]] = sf_bytes[i];
-  return simd::as_f32(simd::where_greater<native>(simd::i32x16{} + 1, simd::as_i32(simd::as_u32(sf_value)),
-                                                  simd::u32x16{}, simd::as_u32(1.0f / (sf_value * global))));
+  const simd::i32x16 sf_magnitude = simd::as_i32(simd::as_u32(sf_value) & 0x7FFFFFFFu);  // SF == 0: +0 or -0
+  return simd::as_f32(simd::where_greater<native>(simd::i32x16{} + 1, sf_magnitude, simd::u32x16{},
+                                                  simd::as_u32(1.0f / (sf_value * global))));
 }
 
 // Encodes groups first..first+count-1, each scaled by its out_scale in float32, into 8 packed bytes each:

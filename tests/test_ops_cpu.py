@@ -56,6 +56,20 @@ def test_store_matches_reference_odd_blocks(device, block_size, num_heads):
         assert torch.equal(buffer, expected)
 
 
+@DTYPES
+def test_store_negative_global_scales(device, dtype):
+    """Negative global scales give negative block scales (tiny groups -0), whose factor 1 / (SF · global) is only 0
+    where SF is zero, as in the reference (the CPU kernels once zeroed it for every negative SF)."""
+    case = NVFP4Case(head_size=128, num_heads=2, block_size=16, num_blocks=5, num_tokens=60, dtype=dtype, seed=3)
+    args, expected = nvfp4_store_inputs(case, device, 0xA5), nvfp4_store_inputs(case, "cpu", 0xA5)
+    for kwargs in (args, expected):
+        kwargs["k_scale"], kwargs["v_scale"] = -kwargs["k_scale"].abs(), -kwargs["v_scale"].abs()
+    buffer, expected_buffer = args.pop("buffer"), expected.pop("buffer")
+    ops.reshape_and_cache_nvfp4(**args)
+    reference.reshape_and_cache_nvfp4(**expected)
+    assert torch.equal(buffer.cpu(), expected_buffer)
+
+
 def allowed_store_bytes(case: NVFP4Case, slot_mapping: torch.Tensor) -> torch.Tensor:
     """Mask of the cache buffer's bytes the store may write: data and scales of the valid slots' entries."""
     layout = case.layout
