@@ -153,7 +153,6 @@ struct TokenGroups {
 
   const T* values(int g) const { return x + src_offsets[g]; }
   uint8_t* codes(int g) const { return data + data_offsets[g]; }
-  uint8_t* scale_byte(int g) const { return scale + scale_offsets[g]; }
 };
 
 // Writes the block scales (FORMATS.md §1) of groups first..first+count-1 (count <= 16) from their max |x| (float32
@@ -264,6 +263,7 @@ NVFP4_TARGET_AVX512 void quantize_token_avx512(const TokenGroups<T>& t, int grou
 // its even element in the low half and its odd element in the high half, so shifting and masking give the even
 // and odd elements as float32 with no conversion, and an odd code shifted next to its even one is the packed
 // byte. The maxima of 16 groups come from one transposing reduction over 8 vectors instead of one reduction each.
+
 // Groups g and g + 1 (zeros past the last group).
 NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i load_pair(const TokenGroups<c10::BFloat16>& t, int groups, int g) {
   alignas(32) static const uint16_t zeros[NVFP4_GROUP] = {};
@@ -371,9 +371,6 @@ const std::array<float, 256> E4M3_VALUES = [] {
 }();
 
 #if NVFP4_X86
-// AVX-512, a bfloat16 row of an even number of groups and a finite global scale, two groups a vector: the 16
-// possible outputs (e2m1 · SF) · global of each group, rounded to bf16 (finite, so no NaN fix-up), form one
-// 32-entry table that the codes of both groups index (the second group's codes offset by 16).
 // simd::bf16_bits_of_numbers, left in the high half.
 NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i bf16_rounded(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -381,6 +378,10 @@ NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i bf16_rounded(__m512 v) {
                           _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
 }
 
+// AVX-512, a bfloat16 row of an even number of groups and a finite global scale, two groups a vector: the 16
+// possible outputs (e2m1 · SF) · global of each group, rounded to bf16 (finite, so no NaN fix-up), form one
+// 32-entry table that the codes of both groups index (the second group's codes offset by 16). Groups with a NaN
+// block scale take the general form.
 NVFP4_TARGET_AVX512 void dequantize_row_bf16_avx512(const uint8_t* data, const uint8_t* scales, const int64_t* delta,
                                                     int64_t scale_dim, float global, c10::BFloat16* out) {
   const __m512 e2m1 = __builtin_bit_cast(__m512, simd::E2M1_VALUES);
@@ -454,7 +455,7 @@ NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i e4m3_codes_bf16(__m512i words, int expo
   const __m512i odd_lsb = _mm512_and_si512(_mm512_srli_epi16(magnitudes, 4), _mm512_set1_epi16(1));
   __m512i code = _mm512_min_epu16(
       _mm512_srli_epi16(_mm512_add_epi16(_mm512_add_epi16(magnitudes, odd_lsb), rebias), 4), _mm512_set1_epi16(0x7E));
-  // Subnormal codes and NaN are rare (and only cost time where they occur).
+  // Codes below 2^-6 (zeros included) and NaN are rare in keys: computed only for vectors that hold them.
   if (const __mmask32 small = _mm512_cmplt_epu16_mask(magnitudes, smallest_normal)) {
     const __m512 to_subnormal = _mm512_set1_ps(float_from_bits(static_cast<uint32_t>(136 - exponent) << 23));
     const __m512 magic = _mm512_set1_ps(8388608.0f);  // 2^23
@@ -471,6 +472,7 @@ NVFP4_TARGET_AVX512 NVFP4_INLINE __m512i e4m3_codes_bf16(__m512i words, int expo
   return _mm512_ternarylogic_epi32(code, _mm512_srli_epi16(words, 8), _mm512_set1_epi16(0x80), 0xF8);  // a | b & c
 }
 
+// The E4M3 codes of x[0..n) / 2^exponent (n a multiple of 32).
 NVFP4_TARGET_AVX512 void e4m3_encode_bf16_avx512(const c10::BFloat16* x, int64_t n, int exponent, uint8_t* out) {
   int64_t e = 0;
   for (; e + 64 <= n; e += 64) {  // two vectors of codes narrowed by one pack (its 64-bit chunks then put in order)
@@ -524,21 +526,21 @@ NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout&
   }
 }
 
-#define NVFP4_ROW_KERNELS(ISA, TARGET, NATIVE)                                                                            \
+#define NVFP4_ROW_KERNELS(ISA, TARGET, NATIVE)                                                                    \
   template <typename T>                                                                                           \
-  TARGET void store_token_##ISA(const T* x, const GroupOffsets& offsets, const NVFP4PageLayout& layout,         \
+  TARGET void store_token_##ISA(const T* x, const GroupOffsets& offsets, const NVFP4PageLayout& layout,           \
                                 int64_t token, float global, float inv_global, uint8_t* side) {                   \
-    store_token_impl(x, offsets, layout, token, global, inv_global, side, quantize_token_##ISA<T>);              \
+    store_token_impl(x, offsets, layout, token, global, inv_global, side, quantize_token_##ISA<T>);               \
   }                                                                                                               \
   template <typename T>                                                                                           \
   TARGET void load_token_##ISA(const uint8_t* side, const NVFP4PageLayout& layout, int64_t token,                 \
-                               const int64_t* scale_delta, float global, T* out, int64_t head_stride) {          \
+                               const int64_t* scale_delta, float global, T* out, int64_t head_stride) {           \
     load_token_impl<NATIVE>(side, layout, token, scale_delta, global, out, head_stride);                          \
   }                                                                                                               \
   template <typename T>                                                                                           \
   TARGET void indexer_store_token_##ISA(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,            \
                                         int64_t offset, uint8_t* block) {                                         \
-    indexer_store_token_impl<NATIVE>(x, layout, fmt, offset, block);                                                      \
+    indexer_store_token_impl<NATIVE>(x, layout, fmt, offset, block);                                              \
   }
 NVFP4_ROW_KERNELS(baseline, , false)
 #if NVFP4_X86
