@@ -67,10 +67,20 @@ SIMD_INLINE f32x16 load16(const c10::BFloat16* p) {
   std::memcpy(&raw, p, sizeof raw);
   return as_f32(__builtin_convertvector(raw, u32x16) << 16);
 }
+// float16 -> float32 as c10's conversion (and F16C's) does, bit for bit on all 65536 inputs, in vector operations:
+// normal values move their exponent and mantissa up, subnormals are their integer mantissa times 2^-24 (exact),
+// inf and NaN take the top exponent (a NaN quieted, its payload kept).
 SIMD_INLINE f32x16 load16(const c10::Half* p) {
-  f32x16 v;
-  for (int i = 0; i < 16; ++i) v[i] = static_cast<float>(p[i]);
-  return v;
+  u16x16 raw;
+  std::memcpy(&raw, p, sizeof raw);
+  const u32x16 h = __builtin_convertvector(raw, u32x16);
+  const u32x16 magnitude = h & 0x7FFFu;
+  const u32x16 normal = (magnitude << 13) + ((127u - 15u) << 23);
+  const u32x16 subnormal = as_u32(__builtin_convertvector(magnitude, f32x16) * 5.9604644775390625e-8f);
+  u32x16 bits = select(greater_mask(i32x16{} + 0x400, as_i32(magnitude)), subnormal, normal);
+  bits = select(greater_mask(as_i32(magnitude), i32x16{} + 0x7BFF), (magnitude << 13) | 0x7F800000u, bits);
+  bits |= greater_mask(as_i32(magnitude), i32x16{} + 0x7C00) & 0x400000u;
+  return as_f32(((h & 0x8000u) << 16) | bits);
 }
 
 SIMD_INLINE void store16(f32x16 v, float* p) { std::memcpy(p, &v, sizeof v); }
