@@ -234,6 +234,27 @@ def every_bf16_under_each_scale() -> torch.Tensor:
     return torch.cat(rows)
 
 
+def test_stores_of_every_float16_value(device):
+    """Every float16 bit pattern (zeros, subnormals, infs, NaNs) as keys of both stores: the CPU kernels convert
+    float16 in vector operations of their own. The NVFP4 store gets the NaNs as zeros: a NaN makes its group's
+    factor NaN, and which of two NaNs a product keeps (so the sign of that code) is not specified."""
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int16).view(torch.float16).view(512, 1, 128)
+    numbers = torch.where(every.isnan(), 0.0, every)
+    case = NVFP4Case(head_size=128, num_heads=1, block_size=16, num_blocks=32, num_tokens=512, dtype=torch.float16)
+    (buffer, kv_cache), (expected_buffer, expected_cache) = nvfp4_cache(case, device, 0xA5), nvfp4_cache(case, "cpu", 0xA5)
+    slots, scale = torch.arange(512), torch.tensor([0.5])
+    ops.reshape_and_cache_nvfp4(numbers.to(device), numbers.flip(0).to(device), kv_cache[:, 0], kv_cache[:, 1],
+                                slots.to(device), scale.to(device), scale.to(device), True)
+    reference.reshape_and_cache_nvfp4(numbers, numbers.flip(0), expected_cache[:, 0], expected_cache[:, 1], slots,
+                                      scale, scale, True)
+    assert torch.equal(buffer.cpu(), expected_buffer)
+    indexer = IndexerCase(block_size=64, num_blocks=8, num_tokens=512)
+    (buffer, kv_cache), (expected_buffer, expected_cache) = indexer_cache(indexer, device, 0xA5), indexer_cache(indexer, "cpu", 0xA5)
+    ops.indexer_k_quant_and_cache(every.view(512, 128).to(device), kv_cache, slots.to(device), 128, "ue8m0")
+    reference.indexer_k_quant_and_cache(every.view(512, 128), expected_cache, slots, 128, "ue8m0")
+    assert torch.equal(buffer.cpu(), expected_buffer)
+
+
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "mxfp8"])
 def test_indexer_store_every_bf16_value(device, scale_fmt):
     """The AVX-512 path quantizes bf16 keys under power-of-two scales from their bits; check it on every value.
