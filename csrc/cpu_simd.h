@@ -99,8 +99,18 @@ SIMD_INLINE void store16_numbers(f32x16 v, c10::BFloat16* p) {
   const u16x16 out = __builtin_convertvector(bf16_bits_of_numbers(v), u16x16);
   std::memcpy(p, &out, sizeof out);
 }
+// c10::Half(float) in vector operations (its software form, fp16_ieee_from_fp32_value: round to nearest even,
+// NaN -> 0x7E00 with the sign), bit for bit on all 2^32 inputs.
 SIMD_INLINE void store16(f32x16 v, c10::Half* p) {
-  for (int i = 0; i < 16; ++i) p[i] = c10::Half(v[i]);
+  const u32x16 w = as_u32(v);
+  f32x16 base = (as_f32(w & 0x7FFFFFFFu) * 0x1.0p+112f) * 0x1.0p-110f;
+  const u32x16 bias = max((w + w) & 0xFF000000u, u32x16{} + 0x71000000u);
+  base = as_f32((bias >> 1) + 0x07800000u) + base;
+  const u32x16 bits = as_u32(base);
+  const u32x16 nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0xFFFu);
+  const u32x16 nan = greater_mask(as_i32(w & 0x7FFFFFFFu), i32x16{} + 0x7F800000);
+  const u16x16 out = __builtin_convertvector(((w & 0x80000000u) >> 16) | select(nan, u32x16{} + 0x7E00u, nonsign), u16x16);
+  std::memcpy(p, &out, sizeof out);
 }
 template <typename T>  // float and half: no NaN fix-up to skip
 SIMD_INLINE void store16_numbers(f32x16 v, T* p) { store16(v, p); }
