@@ -59,6 +59,10 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(float x) { return x; }
 
+__device__ __forceinline__ uint32_t sign_bit(__nv_bfloat16 x) { return __bfloat16_as_ushort(x) >> 15; }
+__device__ __forceinline__ uint32_t sign_bit(__half x) { return __half_as_ushort(x) >> 15; }
+__device__ __forceinline__ uint32_t sign_bit(float x) { return __float_as_uint(x) >> 31; }
+
 __device__ __forceinline__ void from_float(float x, __nv_bfloat16* out) { *out = __float2bfloat16_rn(x); }
 __device__ __forceinline__ void from_float(float x, __half* out) { *out = __float2half_rn(x); }
 __device__ __forceinline__ void from_float(float x, float* out) { *out = x; }

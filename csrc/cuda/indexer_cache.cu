@@ -76,11 +76,9 @@ __device__ __forceinline__ void store_token(const Elements<kElems, T>& x, int64_
     words[w] = e4m3_pair(q[0], q[1]) | (e4m3_pair(q[2], q[3]) << 16);
   }
   if (__float_as_uint(amax) > 0x7F800000u) {  // a NaN in the block: the hardware's NaN code is 0x7F, the
-#pragma unroll                                 // reference's keeps the input's sign
-    for (int i = 0; i < kElems; ++i) {
-      const float v = to_float(x.x[i]);
-      if (isnan(v)) words[i / 4] |= (__float_as_uint(v) >> 31) << (8 * (i % 4) + 7);
-    }
+#pragma unroll                                 // reference's keeps the input's sign (the input's own bits:
+    for (int i = 0; i < kElems; ++i)           // converting a float16 NaN to float may drop it)
+      if (isnan(to_float(x.x[i]))) words[i / 4] |= sign_bit(x.x[i]) << (8 * (i % 4) + 7);
   }
   // 32-bit: a cache on one GPU has fewer than 2^32 slots (each takes at least 8 bytes).
   const uint32_t slot32 = static_cast<uint32_t>(slot), block_size = static_cast<uint32_t>(layout.block_size);
