@@ -52,8 +52,7 @@ def test_fuzz_store(device, case):
     args, expected = nvfp4_store_inputs(case, device), nvfp4_store_inputs(case, "cpu")
     buffer, expected_buffer = args.pop("buffer"), expected.pop("buffer")
     ops.reshape_and_cache_nvfp4(**args)
-    if (expected["slot_mapping"] >= 0).any():
-        reference.reshape_and_cache_nvfp4(**expected)
+    reference.reshape_and_cache_nvfp4(**expected)
     assert torch.equal(buffer.cpu(), expected_buffer)
 
 
@@ -64,8 +63,7 @@ def test_fuzz_gather(device, case, data, out_dtype):
     args = nvfp4_gather_inputs(case, seq_lens, device, out_dtype)
     expected = nvfp4_gather_inputs(case, seq_lens, "cpu", out_dtype)
     ops.gather_nvfp4_kv_cache(**args)
-    if sum(seq_lens):
-        reference.gather_nvfp4_kv_cache(**expected)
+    reference.gather_nvfp4_kv_cache(**expected)
     assert torch.equal(bits(args["out_key"].cpu()), bits(expected["out_key"]))
     assert torch.equal(bits(args["out_value"].cpu()), bits(expected["out_value"]))
 
@@ -76,8 +74,7 @@ def test_fuzz_indexer_store(device, case, scale_fmt):
     args, expected = indexer_store_inputs(case, scale_fmt, device), indexer_store_inputs(case, scale_fmt, "cpu")
     buffer, expected_buffer = args.pop("buffer"), expected.pop("buffer")
     ops.indexer_k_quant_and_cache(**args)
-    if (expected["slot_mapping"] >= 0).any():
-        reference.indexer_k_quant_and_cache(**expected)
+    reference.indexer_k_quant_and_cache(**expected)
     assert torch.equal(buffer.cpu(), expected_buffer)
 
 
