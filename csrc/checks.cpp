@@ -4,6 +4,8 @@
 #include <torch/headeronly/core/ScalarType.h>
 #include "error.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <initializer_list>
 #include <string>
 
@@ -21,6 +23,12 @@ std::string device_name(const Tensor& t) {
 std::string shape_of(const Tensor& t) {
   std::string s = "[";
   for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+std::string shape_of_sizes(std::initializer_list<int64_t> sizes) {
+  std::string s = "[";
+  for (int64_t size : sizes) s += (s.size() > 1 ? ", " : "") + std::to_string(size);
   return s + "]";
 }
 
@@ -177,6 +185,45 @@ NVFP4PageLayout check_gather_nvfp4_kv_cache(const Tensor& key_cache, const Tenso
   return layout;
 }
 
+// `[rows, ...]` int32/float32 metadata: dtype, exact shape, contiguous, on the reference tensor's device.
+void check_metadata(const char* op, const char* name, const Tensor& t, ScalarType dtype, const char* dtype_text,
+                    std::initializer_list<int64_t> shape, const char* shape_text, const Tensor& ref,
+                    const char* ref_name) {
+  check_dtype(op, name, t, {dtype}, dtype_text);
+  check_dim(op, name, t, static_cast<int64_t>(shape.size()), shape_text);
+  int64_t d = 0;
+  for (int64_t size : shape) {
+    NVFP4_CHECK(t.size(d) == size, op, ": ", name, ": must have shape ", shape_text, " = ", shape_of_sizes(shape),
+                ", got ", shape_of(t));
+    ++d;
+  }
+  NVFP4_CHECK(t.is_contiguous(), op, ": ", name, ": must be contiguous");
+  check_same_device(op, name, t, ref, ref_name);
+}
+
+// FP8 queries `[..., heads, head_dim]`, contiguous, with float32 weights of the same leading shape.
+void check_queries(const char* op, const Tensor& q, int64_t dim, const char* shape_text) {
+  check_dim(op, "q", q, dim, shape_text);
+  check_dtype(op, "q", q, {ScalarType::Float8_e4m3fn}, "float8_e4m3fn");
+  NVFP4_CHECK(q.is_contiguous(), op, ": q: must be contiguous");
+  NVFP4_CHECK(q.size(dim - 2) > 0 && q.size(dim - 1) > 0, op, ": q: heads and head_dim must be positive, got shape ",
+              shape_of(q));
+}
+
+void check_logits(const char* op, const Tensor& logits, int64_t rows, int64_t cols_max, const char* cols_text,
+                  const Tensor& q) {
+  check_dtype(op, "logits", logits, {ScalarType::Float}, "float32");
+  check_dim(op, "logits", logits, 2, "[rows, columns]");
+  NVFP4_CHECK(logits.size(0) == rows, op, ": logits: must have ", rows, " rows (one per query token), got shape ",
+              shape_of(logits));
+  NVFP4_CHECK(cols_max < 0 ? logits.size(1) >= 0 : logits.size(1) <= cols_max, op, ": logits: ", cols_text,
+              ", got shape ", shape_of(logits));
+  NVFP4_CHECK(logits.stride(1) == 1 && (rows <= 1 || logits.stride(0) >= logits.size(1)), op,
+              ": logits: rows must be contiguous and must not overlap, got strides [", logits.stride(0), ", ",
+              logits.stride(1), "]");
+  check_same_device(op, "logits", logits, q, "q");
+}
+
 ScaleFormat parse_scale_fmt(const std::string& scale_fmt) {
   if (scale_fmt.empty()) return ScaleFormat::Float32;
   if (scale_fmt == "ue8m0") return ScaleFormat::UE8M0;
@@ -250,6 +297,83 @@ void check_gather_ranges(const char* op, const int32_t* block_table, int64_t tab
       const int32_t block = block_table[b * table_row_stride + j];
       NVFP4_CHECK(block >= 0 && block < num_blocks, op, ": block_table: entry [", b, ", ", j, "] = ", block,
                       " is not a block of the cache (", num_blocks, " blocks)");
+    }
+  }
+}
+
+MqaLogitsShape check_indexer_mqa_logits(const Tensor& q, const Tensor& k, const Tensor& k_scale,
+                                        const Tensor& weights, const Tensor& ks, const Tensor& ke,
+                                        const Tensor& logits) {
+  const char* op = "indexer_mqa_logits";
+  check_queries(op, q, 3, "[rows, heads, head_dim]");
+  const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
+  check_dim(op, "k", k, 2, "[keys, head_dim]");
+  check_dtype(op, "k", k, {ScalarType::Byte, ScalarType::Float8_e4m3fn}, "uint8 or float8_e4m3fn");
+  NVFP4_CHECK(k.size(1) == head_dim, op, ": k: head_dim ", k.size(1), " does not match q's ", head_dim);
+  NVFP4_CHECK(k.stride(1) == 1, op, ": k: rows must be contiguous, got stride ", k.stride(1));
+  check_same_device(op, "k", k, q, "q");
+  const int64_t keys = k.size(0);
+  check_dim(op, "k_scale", k_scale, 2, "[keys, scale bytes or scales]");
+  check_dtype(op, "k_scale", k_scale, {ScalarType::Byte, ScalarType::Float}, "uint8 or float32");
+  NVFP4_CHECK(k_scale.size(0) == keys, op, ": k_scale: must have k's ", keys, " rows, got ", k_scale.size(0));
+  NVFP4_CHECK(k_scale.stride(1) == 1, op, ": k_scale: rows must be contiguous, got stride ", k_scale.stride(1));
+  check_same_device(op, "k_scale", k_scale, q, "q");
+  const int64_t scale_bytes = k_scale.size(1) * k_scale.element_size();
+  NVFP4_CHECK(scale_bytes > 0 && scale_bytes % 4 == 0 && head_dim % (scale_bytes / 4) == 0, op, ": k_scale: ",
+              scale_bytes, " scale bytes a key do not split head_dim ", head_dim, " into float32-scaled quant blocks");
+  // uint8 scale bytes are read as float32: each row must start 4-byte aligned.
+  NVFP4_CHECK(reinterpret_cast<uintptr_t>(k_scale.const_data_ptr()) % 4 == 0 &&
+                  k_scale.stride(0) * static_cast<int64_t>(k_scale.element_size()) % 4 == 0,
+              op, ": k_scale: rows of float32 scales must be 4-byte aligned");
+  check_metadata(op, "weights", weights, ScalarType::Float, "float32", {rows, heads}, "[rows, heads]", q, "q");
+  check_metadata(op, "ks", ks, ScalarType::Int, "int32", {rows}, "[rows]", q, "q");
+  check_metadata(op, "ke", ke, ScalarType::Int, "int32", {rows}, "[rows]", q, "q");
+  check_logits(op, logits, rows, -1, "", q);
+  NVFP4_CHECK(logits.size(1) == keys, op, ": logits: must have one column per key (", keys, "), got shape ",
+              shape_of(logits));
+  return {rows, heads, head_dim, keys, head_dim / (scale_bytes / 4)};
+}
+
+PagedMqaLogitsShape check_indexer_paged_mqa_logits(const Tensor& q, const Tensor& kv_cache, const Tensor& weights,
+                                                   const Tensor& context_lens, const Tensor& block_table,
+                                                   int64_t quant_block_size, const Tensor& logits) {
+  const char* op = "indexer_paged_mqa_logits";
+  check_queries(op, q, 4, "[batch, next_n, heads, head_dim]");
+  const int64_t batch = q.size(0), next_n = q.size(1), heads = q.size(2), head_dim = q.size(3);
+  check_indexer_cache_basics(op, kv_cache);
+  check_same_device(op, "kv_cache", kv_cache, q, "q");
+  NVFP4_CHECK(quant_block_size > 0 && head_dim % quant_block_size == 0, op, ": quant_block_size: head_dim ",
+              head_dim, " must be a positive multiple of quant_block_size ", quant_block_size);
+  const IndexerCacheLayout layout = indexer_cache_layout(op, kv_cache, head_dim, quant_block_size);
+  check_metadata(op, "weights", weights, ScalarType::Float, "float32", {batch, next_n, heads},
+                 "[batch, next_n, heads]", q, "q");
+  check_metadata(op, "context_lens", context_lens, ScalarType::Int, "int32", {batch, next_n}, "[batch, next_n]", q,
+                 "q");
+  check_dtype(op, "block_table", block_table, {ScalarType::Int}, "int32");
+  check_dim(op, "block_table", block_table, 2, "[batch, max_blocks]");
+  NVFP4_CHECK(block_table.size(0) == batch, op, ": block_table: must have one row per request (", batch,
+              "), got shape ", shape_of(block_table));
+  NVFP4_CHECK(block_table.stride(1) == 1, op, ": block_table: rows must be contiguous, got stride ",
+              block_table.stride(1));
+  check_same_device(op, "block_table", block_table, q, "q");
+  const int64_t max_columns = block_table.size(1) * layout.block_size;
+  const std::string cols_text = "at most block_table's " + std::to_string(block_table.size(1)) + " blocks × " +
+                                std::to_string(layout.block_size) + " = " + std::to_string(max_columns) + " columns";
+  check_logits(op, logits, batch * next_n, max_columns, cols_text.c_str(), q);
+  return {batch, next_n, heads, logits.size(1), layout};
+}
+
+void check_paged_block_ids(const char* op, const int32_t* block_table, int64_t table_row_stride,
+                           const int32_t* context_lens, int64_t batch, int64_t next_n, int64_t columns,
+                           int64_t block_size, int64_t num_blocks) {
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t visible = 0;
+    for (int64_t j = 0; j < next_n; ++j)
+      visible = std::max<int64_t>(visible, std::min<int64_t>(context_lens[b * next_n + j], columns));
+    for (int64_t p = 0; p * block_size < visible; ++p) {
+      const int32_t block = block_table[b * table_row_stride + p];
+      NVFP4_CHECK(block >= 0 && block < num_blocks, op, ": block_table: entry [", b, ", ", p, "] = ", block,
+                  " is not a block of the cache (", num_blocks, " blocks)");
     }
   }
 }

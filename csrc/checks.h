@@ -1,4 +1,4 @@
-// Argument checks shared by the CPU and CUDA entry points of the four ops.
+// Argument checks shared by the CPU and CUDA entry points of the six ops.
 //
 // Each check_<op> validates dtypes, shapes, strides and devices, and returns the cache layout the
 // kernel needs. Errors read "<op>: <argument>: <rule>". The data-dependent checks (slot and block
@@ -36,6 +36,30 @@ IndexerCacheLayout check_indexer_k_quant_and_cache(const Tensor& k, const Tensor
 IndexerCacheLayout check_cp_gather_indexer_k_quant_cache(const Tensor& kv_cache, const Tensor& dst_k,
                                                          const Tensor& dst_scale, const Tensor& block_table,
                                                          const Tensor& cu_seq_lens);
+
+// What the indexer logits kernels loop over; quant_block_size is D / (a key's float32 scales).
+struct MqaLogitsShape {
+  int64_t rows, heads, head_dim, keys, quant_block_size;
+};
+
+MqaLogitsShape check_indexer_mqa_logits(const Tensor& q, const Tensor& k, const Tensor& k_scale,
+                                        const Tensor& weights, const Tensor& ks, const Tensor& ke,
+                                        const Tensor& logits);
+
+struct PagedMqaLogitsShape {
+  int64_t batch, next_n, heads, columns;
+  IndexerCacheLayout layout;
+};
+
+PagedMqaLogitsShape check_indexer_paged_mqa_logits(const Tensor& q, const Tensor& kv_cache, const Tensor& weights,
+                                                   const Tensor& context_lens, const Tensor& block_table,
+                                                   int64_t quant_block_size, const Tensor& logits);
+
+// The block-table entries of every visible column (c < min(context_lens[b, j], columns)) must name a block of
+// the cache; the entries past a request's context are never read and may hold anything.
+void check_paged_block_ids(const char* op, const int32_t* block_table, int64_t table_row_stride,
+                           const int32_t* context_lens, int64_t batch, int64_t next_n, int64_t columns,
+                           int64_t block_size, int64_t num_blocks);
 
 // Every non-negative slot must lie in the cache's num_slots.
 void check_slot_range(const char* op, const int64_t* slots, int64_t num_tokens, int64_t num_slots);

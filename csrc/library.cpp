@@ -1,4 +1,4 @@
-// The `vllm_nvfp4` op library: the four schemas (mirroring vLLM's own ops) and the `_C` Python module
+// The `vllm_nvfp4` op library: the six schemas (mirroring vLLM's own ops) and the `_C` Python module
 // whose import loads this shared object and so runs the registrations. Kernels register per device in
 // cpu_ops.cpp and cuda/.
 #include <Python.h>
@@ -22,4 +22,9 @@ STABLE_TORCH_LIBRARY(vllm_nvfp4, m) {
         "str scale_fmt) -> ()");
   m.def("cp_gather_indexer_k_quant_cache(Tensor kv_cache, Tensor(a!) dst_k, Tensor(b!) dst_scale, "
         "Tensor block_table, Tensor cu_seq_lens) -> ()");
+  // The lightning indexer's FP8 MQA logits, Σ_h w·relu(q_h·k)·scale, over gathered keys and from the pages.
+  m.def("indexer_mqa_logits(Tensor q, Tensor k, Tensor k_scale, Tensor weights, Tensor ks, Tensor ke, "
+        "Tensor(a!) logits) -> ()");
+  m.def("indexer_paged_mqa_logits(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, "
+        "Tensor block_table, int quant_block_size, Tensor(a!) logits) -> ()");
 }

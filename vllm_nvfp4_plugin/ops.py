@@ -44,6 +44,17 @@ def _(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens):
                        block_table=block_table, cu_seq_lens=cu_seq_lens)
 
 
+@torch.library.register_fake("vllm_nvfp4::indexer_mqa_logits")
+def _(q, k, k_scale, weights, ks, ke, logits):
+    _check_same_device("indexer_mqa_logits", q=q, k=k, k_scale=k_scale, weights=weights, ks=ks, ke=ke, logits=logits)
+
+
+@torch.library.register_fake("vllm_nvfp4::indexer_paged_mqa_logits")
+def _(q, kv_cache, weights, context_lens, block_table, quant_block_size, logits):
+    _check_same_device("indexer_paged_mqa_logits", q=q, kv_cache=kv_cache, weights=weights, context_lens=context_lens,
+                       block_table=block_table, logits=logits)
+
+
 def reshape_and_cache_nvfp4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
                             v_scale: torch.Tensor, swizzle_v_scales: bool) -> None:
@@ -70,3 +81,16 @@ def cp_gather_indexer_k_quant_cache(kv_cache: torch.Tensor, dst_k: torch.Tensor,
                                     block_table: torch.Tensor, cu_seq_lens: torch.Tensor) -> None:
     """Copy each sequence's cached FP8 keys and scale bytes into contiguous rows of `dst_k`/`dst_scale`."""
     _ops.cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_seq_lens)
+
+
+def indexer_mqa_logits(q: torch.Tensor, k: torch.Tensor, k_scale: torch.Tensor, weights: torch.Tensor,
+                       ks: torch.Tensor, ke: torch.Tensor, logits: torch.Tensor) -> None:
+    """`logits[m, n] = Σ_h weights[m,h] · relu(q[m,h] · k[n] · k_scale[n])` for keys `[ks[m], ke[m])`, -inf elsewhere."""
+    _ops.indexer_mqa_logits(q, k, k_scale, weights, ks, ke, logits)
+
+
+def indexer_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
+                             context_lens: torch.Tensor, block_table: torch.Tensor, quant_block_size: int,
+                             logits: torch.Tensor) -> None:
+    """The same logits for `q [B, n, H, D]` read from request b's cache pages, -inf from `context_lens[b, j]` on."""
+    _ops.indexer_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, quant_block_size, logits)

@@ -1,7 +1,8 @@
-"""Plain-torch reference of the four ops and of NVFP4 encode/decode, written from FORMATS.md.
+"""Plain-torch reference of the six ops and of NVFP4 encode/decode, written from FORMATS.md.
 
-It is the oracle of the CPU and CUDA tests (bit-exact) and is deliberately slow and obvious.
-All arithmetic is float32, in the order FORMATS.md gives.
+It is the oracle of the CPU and CUDA tests and is deliberately slow and obvious. The cache ops are bit-exact
+contracts: their arithmetic is float32, in the order FORMATS.md gives. The indexer logits sum in any order, so
+their reference is float64 and the tests compare with a tolerance.
 """
 
 from __future__ import annotations
@@ -173,3 +174,49 @@ def cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, block_table, cu_
     so = layout.scale_offset(t) + torch.arange(layout.scale_bytes, device=kv_cache.device)
     dst_k.view(torch.uint8).view(dst_k.size(0), -1)[rows] = flat[b.expand_as(vo), vo]
     dst_scale.view(torch.uint8).view(dst_scale.size(0), -1)[rows] = flat[b.expand_as(so), so]
+
+
+# --- Sparse-indexer MQA logits -------------------------------------------------------------------------
+
+def _mqa_logits(q: torch.Tensor, weights: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`Σ_h w[r,h] · relu(Σ_b s[n,b] · q[r,h,block b] · k[n,block b])` in float64: q `[R, H, D]` FP8, weights
+    `[R, H]`, values `[N, D]` FP8 bytes, scales `[N, D/qbs]` → `[R, N]`."""
+    qbs = values.size(1) // scales.size(1)
+    q_blocks = q.double().unflatten(-1, (-1, qbs))  # [R, H, S, qbs]
+    k_blocks = values.view(torch.float8_e4m3fn).double().unflatten(-1, (-1, qbs))  # [N, S, qbs]
+    per_block = torch.einsum("rhsd,nsd->rhns", q_blocks, k_blocks)
+    scores = (per_block * scales.double()).sum(-1).relu()  # [R, H, N]
+    return (scores * weights.double().unsqueeze(-1)).sum(1)
+
+
+def indexer_mqa_logits(q, k, k_scale, weights, ks, ke, logits) -> None:
+    """Logits of gathered keys (FP8 `k [N, D]`, float32 scales `k_scale [N, D/qbs]` or their bytes): row m sees
+    keys `[ks[m], ke[m])`, clamped to `[0, N)`, and holds -inf elsewhere."""
+    n = k.size(0)
+    scales = k_scale.contiguous().view(torch.uint8).view(torch.float32).view(n, -1)
+    values = k.contiguous().view(torch.uint8)
+    result = _mqa_logits(q.cpu(), weights.cpu(), values.cpu(), scales.cpu())
+    col = torch.arange(n)
+    visible = (col >= ks.cpu().long().unsqueeze(1)) & (col < ke.cpu().long().unsqueeze(1))
+    logits[:, :n] = result.masked_fill(~visible, float("-inf")).to(logits.device, torch.float32)
+
+
+def indexer_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, quant_block_size: int, logits) -> None:
+    """Logits straight from the paged indexer cache: row `b·n + j`, column c is key c of request b (token
+    `c % block_size` of block `block_table[b, c // block_size]`) while `c < context_lens[b, j]`, else -inf."""
+    layout = IndexerCacheLayout.from_cache(kv_cache, quant_block_size)
+    batch, next_n = q.shape[:2]
+    columns = logits.size(1)
+    flat = layout.block_bytes_view(kv_cache).cpu()
+    for b in range(batch):
+        lens = context_lens[b].cpu().long().clamp(0, columns)
+        visible = int(lens.max()) if next_n else 0
+        c = torch.arange(visible)
+        blocks = block_table[b, c // layout.block_size].cpu().long().view(-1, 1)
+        t = (c % layout.block_size).view(-1, 1)
+        values = flat[blocks, layout.value_offset(t) + torch.arange(layout.head_dim)]
+        scale_bytes = flat[blocks, layout.scale_offset(t) + torch.arange(layout.scale_bytes)]
+        result = torch.full((next_n, columns), float("-inf"), dtype=torch.float64)
+        result[:, :visible] = _mqa_logits(q[b].cpu(), weights[b].cpu(), values, scale_bytes.view(torch.float32))
+        result.masked_fill_(torch.arange(columns) >= lens.unsqueeze(1), float("-inf"))
+        logits[b * next_n:(b + 1) * next_n] = result.to(logits.device, torch.float32)
