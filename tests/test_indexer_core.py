@@ -100,8 +100,8 @@ def cache_with_keys(key_lens: list[int], block_size: int, head_dim: int, quant_b
 # --- tests -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("topk", [64, 512])
-@pytest.mark.parametrize("quant_block_size,tile_bytes", [(128, core.DEFAULT_TILE_BYTES), (128, 1 << 16), (64, 1 << 16)])
-def test_prefill_chunk_logits_and_topk(device, topk, quant_block_size, tile_bytes):
+@pytest.mark.parametrize("quant_block_size", [128, 64])
+def test_prefill_chunk_logits_and_topk(device, topk, quant_block_size):
     """Two prefix-cached requests in one gathered chunk: rows see keys [ks, ke), causal."""
     head_dim, heads, block_size = 128, 8, 64
     key_lens, query_lens = [700, 130], [90, 130]
@@ -114,8 +114,7 @@ def test_prefill_chunk_logits_and_topk(device, topk, quant_block_size, tile_byte
     ks = torch.cat([torch.full((q,), int(c)) for q, c in zip(query_lens, cu[:-1].cpu())]).to(device, torch.int32)
     ke = torch.cat([int(c) + p + 1 for p, c in zip(positions, cu[:-1].cpu())]).to(device, torch.int32)
     q, w = random_queries(torch.Generator().manual_seed(1), sum(query_lens), heads, head_dim)
-    logits = core.fp8_mqa_logits(q.to(device), dst_k[:830], dst_scale[:830], w.to(device), ks, ke,
-                                 quant_block_size, tile_bytes=tile_bytes)
+    logits = core.fp8_mqa_logits(q.to(device), dst_k[:830], dst_scale[:830], w.to(device), ks, ke)
     out = torch.empty(logits.size(0), topk, dtype=torch.int32, device=device)
     core.topk_per_row(logits, topk, out, row_starts=ks)
 
@@ -133,8 +132,8 @@ def test_prefill_chunk_logits_and_topk(device, topk, quant_block_size, tile_byte
 
 
 @pytest.mark.parametrize("topk", [64, 512])
-@pytest.mark.parametrize("quant_block_size,tile_bytes", [(128, core.DEFAULT_TILE_BYTES), (128, 1 << 18), (64, 1 << 18)])
-def test_paged_decode_logits_and_topk(device, topk, quant_block_size, tile_bytes):
+@pytest.mark.parametrize("quant_block_size", [128, 64])
+def test_paged_decode_logits_and_topk(device, topk, quant_block_size):
     """next_n = 3 decode tokens per request, one request with 2 (a padded row), contexts shorter than top-k."""
     head_dim, heads, block_size, next_n = 128, 8, 64, 3
     key_lens = [600, 40, 257]
@@ -146,7 +145,7 @@ def test_paged_decode_logits_and_topk(device, topk, quant_block_size, tile_bytes
     q, w = random_queries(torch.Generator().manual_seed(3), 3 * next_n, heads, head_dim)
     q, w = q.view(3, next_n, heads, head_dim), w.view(3, next_n, heads)
     logits = core.fp8_paged_mqa_logits(q.to(device), cache, w.to(device), context.to(device), table,
-                                       max(key_lens) + 5, quant_block_size, tile_bytes=tile_bytes)
+                                       max(key_lens) + 5, quant_block_size)
     out = torch.empty(logits.size(0), topk, dtype=torch.int32, device=device)
     core.topk_per_row(logits, topk, out)
     ref = torch.full((3 * next_n, logits.size(1)), float("-inf"), dtype=torch.float64)
@@ -159,17 +158,19 @@ def test_paged_decode_logits_and_topk(device, topk, quant_block_size, tile_bytes
 
 
 def test_core_rejects_bad_input():
+    """The ops' own checks reach the caller (tests/test_logits_ops.py has the full table)."""
     cache, table, _ = cache_with_keys([64], 64, 128, 128, "", "cpu")
     q, w = random_queries(torch.Generator().manual_seed(0), 1, 4, 128)
     ctx = torch.tensor([[64]], dtype=torch.int32)
-    with pytest.raises(ValueError, match="q must be float8_e4m3fn"):
+    with pytest.raises(RuntimeError, match="indexer_paged_mqa_logits: q: dtype must be float8_e4m3fn"):
         core.fp8_paged_mqa_logits(q.float().view(1, 1, 4, 128), cache, w.view(1, 1, 4), ctx, table, 64, 128)
-    with pytest.raises(ValueError, match="weights must have shape"):
+    with pytest.raises(RuntimeError, match=r"weights: must have shape \[batch, next_n, heads\]"):
         core.fp8_paged_mqa_logits(q.view(1, 1, 4, 128), cache, w.view(1, 4, 1), ctx, table, 64, 128)
-    with pytest.raises(ValueError, match="needs 3 blocks"):
+    with pytest.raises(RuntimeError, match="logits: at most block_table's 2 blocks"):
         core.fp8_paged_mqa_logits(q.view(1, 1, 4, 128), cache, w.view(1, 1, 4), ctx, table, 150, 128)
-    with pytest.raises(ValueError, match="does not match the keys' head_dim 128"):
+    with pytest.raises(RuntimeError, match="k: head_dim 128 does not match q's 64"):
         core.fp8_mqa_logits(q[:, :, :64].contiguous(), torch.zeros(8, 128, dtype=torch.uint8),
-                            torch.zeros(8, 4, dtype=torch.uint8), w, torch.zeros(1), torch.ones(1), 128)
+                            torch.zeros(8, 4, dtype=torch.uint8), w, torch.zeros(1, dtype=torch.int32),
+                            torch.ones(1, dtype=torch.int32))
     with pytest.raises(ValueError, match="out must be int32"):
         core.topk_per_row(torch.zeros(2, 10), 4, torch.empty(2, 4, dtype=torch.int64))

@@ -2,7 +2,8 @@
 
 Every step it stores the new keys with `vllm_nvfp4.indexer_k_quant_and_cache`; for each prefill chunk it
 gathers the chunk's keys with `vllm_nvfp4.cp_gather_indexer_k_quant_cache` and scores them with
-`core.fp8_mqa_logits`; decode tokens are scored straight from the paged cache (`core.fp8_paged_mqa_logits`).
+`core.fp8_mqa_logits` (the compiled `vllm_nvfp4.indexer_mqa_logits`); decode tokens are scored straight from the
+paged cache (`core.fp8_paged_mqa_logits`, the compiled `vllm_nvfp4.indexer_paged_mqa_logits`).
 The per-row top-k lands in vLLM's index buffer (request-local positions, int32, -1 past the context).
 
 vLLM 0.32 hard-codes the indexer cache's backend (`DeepseekV32IndexerCache.get_attn_backend`), so the op
@@ -46,12 +47,12 @@ def run_indexer(md: IndexerMetadata, q: torch.Tensor, k: torch.Tensor | None, we
                                                        scale_fmt)
     topk_indices_buffer[:num_tokens] = -1
     if md.prefill is not None:
-        _prefill(md, q, weights, kv_cache, layout, topk_indices_buffer[:, :topk_tokens], quant_block_size)
+        _prefill(md, q, weights, kv_cache, layout, topk_indices_buffer[:, :topk_tokens])
     if md.decode is not None:
         _decode(md, q, weights, kv_cache, topk_indices_buffer[:md.num_decode_tokens, :topk_tokens], quant_block_size)
 
 
-def _prefill(md: IndexerMetadata, q, weights, kv_cache, layout: IndexerCacheLayout, topk_out, quant_block_size):
+def _prefill(md: IndexerMetadata, q, weights, kv_cache, layout: IndexerCacheLayout, topk_out):
     chunks = md.prefill.chunks
     rows = max(chunk.total_seq_lens for chunk in chunks)
     dst_k = torch.empty(rows, layout.head_dim, dtype=torch.uint8, device=kv_cache.device)
@@ -61,7 +62,7 @@ def _prefill(md: IndexerMetadata, q, weights, kv_cache, layout: IndexerCacheLayo
         torch.ops.vllm_nvfp4.cp_gather_indexer_k_quant_cache(kv_cache, dst_k, dst_scale, chunk.block_table,
                                                              chunk.cu_seq_lens)
         logits = core.fp8_mqa_logits(q[tokens], dst_k[:n], dst_scale[:n], weights[tokens], chunk.cu_seqlen_ks,
-                                     chunk.cu_seqlen_ke, quant_block_size)
+                                     chunk.cu_seqlen_ke)
         core.topk_per_row(logits, topk_out.size(1), topk_out[tokens], row_starts=chunk.cu_seqlen_ks)
 
 
@@ -92,10 +93,10 @@ def nvfp4_sparse_attn_indexer(hidden_states: torch.Tensor, q_fp8: torch.Tensor, 
                               max_total_seq_len: int, skip_k_cache_insert: bool) -> None:
     attn_metadata = get_forward_context().attn_metadata
     if not isinstance(attn_metadata, dict):
-        # Profiling run: touch the step's peak workspace (gathered keys, logits, score tiles) once.
+        # Profiling run: touch the step's peak workspace (gathered keys, logits) once.
         row_bytes = IndexerCacheLayout.from_cache(kv_cache, quant_block_size).row_bytes
-        torch.empty(max_total_seq_len * row_bytes + (envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB << 20)
-                    + core.DEFAULT_TILE_BYTES, dtype=torch.uint8, device=kv_cache.device)
+        torch.empty(max_total_seq_len * row_bytes + (envs.VLLM_SPARSE_INDEXER_MAX_LOGITS_MB << 20),
+                    dtype=torch.uint8, device=kv_cache.device)
         return
     run_indexer(attn_metadata[layer_name], q_fp8, k, weights, kv_cache, topk_indices_buffer, quant_block_size,
                 scale_fmt, topk_tokens, skip_k_cache_insert, hidden_states.size(0))
@@ -113,10 +114,12 @@ direct_register_custom_op(OP_NAME, nvfp4_sparse_attn_indexer, mutates_args=["top
                           dispatch_key="CompositeExplicitAutograd")
 
 
-def _unsupported(use_fp4_cache: bool, compress_ratio: int, candidate_blocks) -> str | None:
+def _unsupported(use_fp4_cache: bool, scale_fmt: str | None, compress_ratio: int, candidate_blocks) -> str | None:
     parallel = get_current_vllm_config().parallel_config
     if use_fp4_cache:
         return "an MXFP4 indexer cache"
+    if scale_fmt == "mxfp8":  # UE8M0 exponent bytes, not the float32 scales the logits ops read
+        return "scale_fmt='mxfp8'"
     if compress_ratio != 1:
         return f"compress_ratio={compress_ratio}"
     if candidate_blocks is not None:
@@ -134,7 +137,7 @@ class NVFP4SparseAttnIndexer(SparseAttnIndexer):
                  skip_k_cache_insert: bool = False, use_fp4_cache: bool = False, compress_ratio: int = 1,
                  candidate_blocks: torch.Tensor | None = None, candidate_block_size: int = 0,
                  candidate_write: bool = False):
-        reason = _unsupported(use_fp4_cache, compress_ratio, candidate_blocks)
+        reason = _unsupported(use_fp4_cache, scale_fmt, compress_ratio, candidate_blocks)
         if reason is not None:
             # Models the plugin does not cover (DeepSeek-V4's compressed indexer, ...) keep vLLM's op.
             logger.info("vllm_nvfp4_plugin: indexer with %s: using vLLM's own SparseAttnIndexer", reason)
