@@ -45,7 +45,7 @@ def vllm_config():
 
 
 def make_layer(vllm_config, topk: int, buffer_width: int | None = None, quant_block_size: int = QUANT_BLOCK,
-               device: str = "cpu", **kwargs):
+               device: str = "cpu", scale_fmt: str = SCALE_FMT, **kwargs):
     """The indexer cache layer and op as DeepSeek-V3.2's model builds them."""
     buffer = torch.empty(vllm_config.scheduler_config.max_num_batched_tokens, buffer_width or topk,
                          dtype=torch.int32, device=device)
@@ -53,7 +53,7 @@ def make_layer(vllm_config, topk: int, buffer_width: int | None = None, quant_bl
         cache = DeepseekV32IndexerCache(head_dim=HEAD_DIM + HEAD_DIM // QUANT_BLOCK * 4, dtype=torch.uint8,
                                         prefix=f"model.layers.{next(_layer_ids)}.self_attn.indexer.k_cache",
                                         cache_config=vllm_config.cache_config)
-        op = SparseAttnIndexer(cache, quant_block_size, SCALE_FMT, topk, HEAD_DIM, 4096, MAX_K_ROWS, buffer, **kwargs)
+        op = SparseAttnIndexer(cache, quant_block_size, scale_fmt, topk, HEAD_DIM, 4096, MAX_K_ROWS, buffer, **kwargs)
     return cache, op
 
 
@@ -199,15 +199,16 @@ def test_registration_is_idempotent(vllm_config):
     assert CompilationConfig._attention_ops.count("vllm::nvfp4_sparse_attn_indexer") == 1
 
 
-def test_unsupported_configuration_keeps_vllms_op(vllm_config):
+@pytest.mark.parametrize("unsupported", [dict(use_fp4_cache=True), dict(scale_fmt="mxfp8")])
+def test_unsupported_configuration_keeps_vllms_op(vllm_config, unsupported):
     from vllm.platforms import current_platform
     from vllm.utils.deep_gemm import has_deep_gemm
 
     if current_platform.is_cuda() and not has_deep_gemm():  # vLLM's own op refuses to start there
         with pytest.raises(RuntimeError, match="Sparse Attention Indexer CUDA op requires DeepGEMM"):
-            make_layer(vllm_config, 64, use_fp4_cache=True)
+            make_layer(vllm_config, 64, **unsupported)
         return
-    cache, op = make_layer(vllm_config, 64, use_fp4_cache=True)
+    cache, op = make_layer(vllm_config, 64, **unsupported)
     assert type(op) is SparseAttnIndexer and "get_attn_backend" not in vars(cache)
 
 
