@@ -1,7 +1,8 @@
 """Self-check of the plugin on this machine: `python -m vllm_nvfp4_plugin.doctor [--device cpu|cuda|all]`.
 
 On every available device it runs each compiled op on small random inputs against the plain-torch reference
-(bit for bit, NHD and HND, linear and swizzled V scales), then writes an NVFP4 cache with the plugin's store
+(the cache ops bit for bit, NHD and HND, linear and swizzled V scales; the indexer logits within 1e-4 of the
+largest logit, as their float32 sums run in the kernel's own order), then writes an NVFP4 cache with the plugin's store
 and reads it back through the reader the attention backend uses there: FlashInfer's fa2 decode on a CUDA
 device it supports, the plugin's own gather elsewhere. The read-back is compared with exact float32 attention
 over the reference-dequantized cache. A last row reads a cache with swizzled V scales through the linear
@@ -29,6 +30,8 @@ HEAD_SIZE, KV_HEADS, Q_HEADS, BLOCK_SIZE = 128, 2, 8, 16
 K_SCALE, V_SCALE = 0.5, 2.0  # non-unit global scales, as a checkpoint may give
 SEQ_LENS = (1, 17, 300)
 READ_BACK_TOLERANCE = 2e-2  # rel. L2 of bf16 attention vs float32 over the same dequantized values
+LOGITS_TOLERANCE = 1e-4  # of the largest |logit|: the kernels' float32 sums, in their own order, vs float64
+INDEXER_HEADS = 64
 
 
 @dataclass
@@ -148,6 +151,55 @@ def check_indexer_gather(device, gen: torch.Generator) -> Row:
                f"{differing} output bytes differ")
 
 
+def _indexer_queries(gen: torch.Generator, *shape: int):
+    q = (torch.randn(*shape, INDEXER_HEADS, 128, generator=gen) * 3).to(torch.float8_e4m3fn)
+    return q, torch.randn(*shape, INDEXER_HEADS, generator=gen)
+
+
+def _logits_row(device, name: str, got: torch.Tensor, want: torch.Tensor) -> Row:
+    got, want = got.cpu().double(), want.double()
+    same_inf = torch.equal(got == float("-inf"), want == float("-inf"))
+    finite = want.isfinite()
+    err = float((got - want)[finite].abs().max() / want[finite].abs().max())
+    detail = f"max error {err:.1e} of the largest logit (tolerance {LOGITS_TOLERANCE:g})"
+    return Row(str(device), f"{name} == reference", "-", "-", same_inf and err <= LOGITS_TOLERANCE,
+               detail if same_inf else detail + "; -inf places differ")
+
+
+def check_indexer_logits(device, gen: torch.Generator) -> Row:
+    """Prefill-chunk logits over gathered keys, causal key ranges."""
+    rows, keys = 40, 200
+    k = (torch.randn(keys, 128, generator=gen) * torch.rand(keys, 1, generator=gen) * 10).to(torch.bfloat16)
+    values, scale_bytes = reference.indexer_quantize(k, 128, "ue8m0")
+    q, w = _indexer_queries(gen, rows)
+    ke = torch.randint(1, keys + 1, (rows,), generator=gen, dtype=torch.int32)
+    ks = (ke - 100).clamp(min=0)
+    got = torch.empty(rows, keys, device=device)
+    ops.indexer_mqa_logits(*(t.to(device) for t in (q, values, scale_bytes, w, ks, ke)), got)
+    want = torch.empty(rows, keys, dtype=torch.float64)
+    reference.indexer_mqa_logits(q, values, scale_bytes, w, ks, ke, want)
+    return _logits_row(device, "indexer_mqa_logits", got, want)
+
+
+def check_indexer_paged_logits(device, gen: torch.Generator) -> Row:
+    """Decode logits (2 tokens a request) straight from an indexer cache the plugin's store wrote."""
+    layout = IndexerCacheLayout(128, BLOCK_SIZE, 128)
+    num_blocks = sum((n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in SEQ_LENS) + 2
+    table, _, slots = _sequences(gen, num_blocks)
+    k = (torch.randn(slots.numel(), 128, generator=gen) * torch.rand(slots.numel(), 1, generator=gen) * 10)
+    cache = layout.allocate(num_blocks, device, fill=0)
+    ops.indexer_k_quant_and_cache(k.to(device, torch.bfloat16), cache, slots.to(device), 128, "")
+    context_lens = torch.tensor([[n - 1, n] for n in SEQ_LENS], dtype=torch.int32)
+    q, w = _indexer_queries(gen, len(SEQ_LENS), 2)
+    columns = max(SEQ_LENS)
+    got = torch.empty(2 * len(SEQ_LENS), columns, device=device)
+    ops.indexer_paged_mqa_logits(q.to(device), cache, w.to(device), context_lens.to(device), table.to(device), 128,
+                                 got)
+    want = torch.empty(2 * len(SEQ_LENS), columns, dtype=torch.float64)
+    reference.indexer_paged_mqa_logits(q, cache.cpu(), w, context_lens, table, 128, want)
+    return _logits_row(device, "indexer_paged_mqa_logits", got, want)
+
+
 def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """float32 softmax(q k^T / sqrt(d)) v of one decode query `[q_heads, d]` over `[L, kv_heads, d]` (GQA)."""
     group = q.shape[0] // k.shape[1]
@@ -222,6 +274,8 @@ def run_checks(device) -> list[Row]:
                        ("gather_nvfp4_kv_cache", check_gather, (device, hnd, swizzle, gen))]
     checks += [("indexer_k_quant_and_cache", check_indexer_store, (device, fmt, gen)) for fmt in reference.SCALE_FORMATS]
     checks.append(("cp_gather_indexer_k_quant_cache", check_indexer_gather, (device, gen)))
+    checks += [("indexer_mqa_logits", check_indexer_logits, (device, gen)),
+               ("indexer_paged_mqa_logits", check_indexer_paged_logits, (device, gen))]
     checks += [("read-back", check_read_back, (device, hnd, gen)) for hnd in (False, True)]
     checks.append(("swizzled-V read-back", check_read_back, (device, False, gen, True)))
     rows = []
