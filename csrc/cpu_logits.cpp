@@ -1,0 +1,442 @@
+// CPU kernels of the indexer's two logits ops (schemas in library.cpp, argument checks in checks.h):
+//   logit[row, key] = Σ_h w[row, h] · relu(Σ_b s[key, b] · Σ_{d in quant block b} q[row, h, d] · k[key, d]).
+//
+// Keys go 16 at a time (a tile, one vector lane per key): their FP8 bytes are transposed and converted once into a
+// float tile [head_dim][16], which every head and every query row that sees those keys reuses. Per head, q[h][d]
+// broadcast times tile row d accumulates the 16 dot products with fused multiply-adds; 8 heads (AVX-512) or 4
+// (AVX2, baseline) at a time keep their accumulators in registers. The work is split into tasks of (query rows,
+// 512 keys); each output comes from one tile call summing in a fixed order (d, quant block, head), so the results
+// do not depend on the number of threads. Like cpu_ops.cpp, the tile kernels exist as AVX-512, AVX2 and
+// baseline x86-64 variants, and VLLM_NVFP4_CPU_ISA=avx2|baseline caps the choice.
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define NVFP4_X86 1
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "checks.h"
+#include "cpu_simd.h"
+#include "error.h"
+#include "layout.h"
+#include "quant.h"
+
+namespace vllm_nvfp4 {
+namespace {
+
+#define NVFP4_INLINE inline __attribute__((always_inline))
+
+constexpr int TILE = 16;                // keys a tile holds, one per vector lane
+constexpr int64_t TILES_PER_TASK = 32;  // 512 keys: a task's float tiles (256 KB at head_dim 128) stay in L2
+constexpr int64_t ROWS_PER_TASK = 16;   // prefill rows that share a task's converted tiles
+// Below this many multiply-adds a call runs on one thread (~0.1 ms of work: waking the team costs more).
+constexpr int64_t PARALLEL_MIN_MACS = int64_t{1} << 22;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+struct TileShape {
+  int64_t heads, head_dim, quant_block_size, num_scales;
+};
+
+// The keys of one tile: where each key's head_dim FP8 bytes and num_scales float32 scales are.
+struct TileKeys {
+  const uint8_t* values[TILE];
+  const uint8_t* scales[TILE];
+};
+
+// --- instruction-set variants (the same choice and override as cpu_ops.cpp) -------------------------------
+enum class Isa { Baseline, Avx2, Avx512 };
+
+#if NVFP4_X86
+#define NVFP4_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
+#define NVFP4_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  Isa isa = __builtin_cpu_supports("x86-64-v4") ? Isa::Avx512
+            : __builtin_cpu_supports("x86-64-v3") ? Isa::Avx2
+                                                  : Isa::Baseline;
+  if (const char* cap = std::getenv("VLLM_NVFP4_CPU_ISA")) {
+    const std::string name(cap);
+    NVFP4_CHECK(name == "avx512" || name == "avx2" || name == "baseline",
+                "VLLM_NVFP4_CPU_ISA must be avx512, avx2 or baseline, got \"", name, "\"");
+    isa = std::min(isa, name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Baseline);
+  }
+  return isa;
+}
+#else
+Isa detect_isa() { return Isa::Baseline; }
+#endif
+
+Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+// --- FP8 → float32 (generic vector code, compiled into each variant) -------------------------------------
+
+// Interleaving rows i and i + 8 rotates each byte's 8-bit (row, column) address left by one bit, so four rounds
+// swap row and column: the transpose of a 16×16 byte matrix.
+NVFP4_INLINE void transpose_bytes(simd::u8x16 (&m)[16]) {
+  for (int round = 0; round < 4; ++round) {
+    simd::u8x16 next[16];
+    for (int i = 0; i < 8; ++i) {
+      next[2 * i] = __builtin_shufflevector(m[i], m[i + 8], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      next[2 * i + 1] =
+          __builtin_shufflevector(m[i], m[i + 8], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    }
+    for (int i = 0; i < 16; ++i) m[i] = next[i];
+  }
+}
+
+// 16 E4M3 codes → their float32 values, exactly (quant.h's decode, NaN included).
+template <bool native>
+NVFP4_INLINE simd::f32x16 decode16(simd::u8x16 codes) {
+  return simd::e4m3_decode<native>(__builtin_convertvector(codes, simd::u32x16));
+}
+
+// The float tile [head_dim][16] and scale tile [num_scales][16] of a tile's keys.
+template <bool native>
+NVFP4_INLINE void convert_keys_impl(const TileKeys& keys, const TileShape& s, float* tile, float* scales) {
+  int64_t d0 = 0;
+  for (; d0 + TILE <= s.head_dim; d0 += TILE) {
+    simd::u8x16 m[TILE];
+    for (int j = 0; j < TILE; ++j) std::memcpy(&m[j], keys.values[j] + d0, sizeof m[j]);
+    transpose_bytes(m);
+    for (int i = 0; i < TILE; ++i) simd::store16(decode16<native>(m[i]), tile + (d0 + i) * TILE);
+  }
+  for (; d0 < s.head_dim; ++d0)
+    for (int j = 0; j < TILE; ++j) tile[d0 * TILE + j] = e4m3_decode(keys.values[j][d0]);
+  for (int64_t b = 0; b < s.num_scales; ++b)
+    for (int j = 0; j < TILE; ++j) std::memcpy(scales + b * TILE + j, keys.scales[j] + 4 * b, 4);
+}
+
+template <bool native>
+NVFP4_INLINE void convert_queries_impl(const uint8_t* q, int64_t n, float* out) {
+  int64_t e = 0;
+  for (; e + TILE <= n; e += TILE) {
+    simd::u8x16 codes;
+    std::memcpy(&codes, q + e, sizeof codes);
+    simd::store16(decode16<native>(codes), out + e);
+  }
+  for (; e < n; ++e) out[e] = e4m3_decode(q[e]);
+}
+
+#define NVFP4_CONVERT_KERNELS(ISA, TARGET, NATIVE)                                                     \
+  TARGET void convert_keys_##ISA(const TileKeys& keys, const TileShape& s, float* tile, float* scales) { \
+    convert_keys_impl<NATIVE>(keys, s, tile, scales);                                                  \
+  }                                                                                                    \
+  TARGET void convert_queries_##ISA(const uint8_t* q, int64_t n, float* out) { convert_queries_impl<NATIVE>(q, n, out); }
+NVFP4_CONVERT_KERNELS(baseline, , false)
+#if NVFP4_X86
+NVFP4_CONVERT_KERNELS(avx512, NVFP4_TARGET_AVX512, true)
+NVFP4_CONVERT_KERNELS(avx2, NVFP4_TARGET_AVX2, false)
+#endif
+#undef NVFP4_CONVERT_KERNELS
+
+// --- tile kernels: out[16] = the logits of a tile's 16 keys for one query row ----------------------------
+// q: the row's [heads][head_dim] floats, w: its heads' weights. Each adds Σ_h w[h] · relu(Σ_b s_b · dot_b)
+// over HEADS heads to the running logits, heads in order.
+
+NVFP4_INLINE simd::f32x16 relu(simd::f32x16 x) { return x < 0.0f ? simd::f32x16{} : x; }  // NaN stays NaN
+
+// Baseline x86-64 (SSE2, no FMA): multiply, then add.
+template <int HEADS>
+NVFP4_INLINE simd::f32x16 add_heads_generic(const float* q, const float* w, const TileShape& s, const float* tile,
+                                            const float* scales, simd::f32x16 logit) {
+  simd::f32x16 score[HEADS] = {};
+  for (int64_t b = 0; b < s.num_scales; ++b) {
+    const int64_t first = b * s.quant_block_size;
+    simd::f32x16 dot[HEADS] = {};
+    for (int64_t d = first; d < first + s.quant_block_size; ++d) {
+      const simd::f32x16 k = simd::load16(tile + d * TILE);
+      for (int i = 0; i < HEADS; ++i) dot[i] += q[i * s.head_dim + d] * k;
+    }
+    const simd::f32x16 scale = simd::load16(scales + b * TILE);
+    for (int i = 0; i < HEADS; ++i) score[i] += dot[i] * scale;
+  }
+  for (int i = 0; i < HEADS; ++i) logit += relu(score[i]) * w[i];
+  return logit;
+}
+
+void tile_logits_baseline(const float* q, const float* w, const TileShape& s, const float* tile,
+                          const float* scales, float* out) {
+  simd::f32x16 logit = {};
+  int64_t h = 0;
+  for (; h + 4 <= s.heads; h += 4) logit = add_heads_generic<4>(q + h * s.head_dim, w + h, s, tile, scales, logit);
+  for (; h < s.heads; ++h) logit = add_heads_generic<1>(q + h * s.head_dim, w + h, s, tile, scales, logit);
+  simd::store16(logit, out);
+}
+
+#if NVFP4_X86
+// AVX2: a tile row is two 8-lane vectors; 4 heads × 2 vectors of accumulators.
+template <int HEADS>
+NVFP4_TARGET_AVX2 NVFP4_INLINE void add_heads_avx2(const float* q, const float* w, const TileShape& s,
+                                                    const float* tile, const float* scales, __m256 (&logit)[2]) {
+  __m256 score[HEADS][2];
+  for (int i = 0; i < HEADS; ++i) score[i][0] = score[i][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < s.num_scales; ++b) {
+    const int64_t first = b * s.quant_block_size;
+    __m256 dot[HEADS][2];
+    for (int i = 0; i < HEADS; ++i) dot[i][0] = dot[i][1] = _mm256_setzero_ps();
+    for (int64_t d = first; d < first + s.quant_block_size; ++d) {
+      const __m256 k0 = _mm256_loadu_ps(tile + d * TILE), k1 = _mm256_loadu_ps(tile + d * TILE + 8);
+      for (int i = 0; i < HEADS; ++i) {
+        const __m256 qd = _mm256_broadcast_ss(q + i * s.head_dim + d);
+        dot[i][0] = _mm256_fmadd_ps(qd, k0, dot[i][0]);
+        dot[i][1] = _mm256_fmadd_ps(qd, k1, dot[i][1]);
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(scales + b * TILE), s1 = _mm256_loadu_ps(scales + b * TILE + 8);
+    for (int i = 0; i < HEADS; ++i) {
+      score[i][0] = _mm256_fmadd_ps(dot[i][0], s0, score[i][0]);
+      score[i][1] = _mm256_fmadd_ps(dot[i][1], s1, score[i][1]);
+    }
+  }
+  // max(0, x) is x when x is NaN (MAXPS returns its second operand then), as relu.
+  for (int i = 0; i < HEADS; ++i) {
+    const __m256 wi = _mm256_broadcast_ss(w + i);
+    logit[0] = _mm256_fmadd_ps(_mm256_max_ps(_mm256_setzero_ps(), score[i][0]), wi, logit[0]);
+    logit[1] = _mm256_fmadd_ps(_mm256_max_ps(_mm256_setzero_ps(), score[i][1]), wi, logit[1]);
+  }
+}
+
+NVFP4_TARGET_AVX2 void tile_logits_avx2(const float* q, const float* w, const TileShape& s, const float* tile,
+                                        const float* scales, float* out) {
+  __m256 logit[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  int64_t h = 0;
+  for (; h + 4 <= s.heads; h += 4) add_heads_avx2<4>(q + h * s.head_dim, w + h, s, tile, scales, logit);
+  for (; h < s.heads; ++h) add_heads_avx2<1>(q + h * s.head_dim, w + h, s, tile, scales, logit);
+  _mm256_storeu_ps(out, logit[0]);
+  _mm256_storeu_ps(out + 8, logit[1]);
+}
+
+// AVX-512: a tile row is one vector; 8 heads of accumulators.
+template <int HEADS>
+NVFP4_TARGET_AVX512 NVFP4_INLINE __m512 add_heads_avx512(const float* q, const float* w, const TileShape& s,
+                                                          const float* tile, const float* scales, __m512 logit) {
+  __m512 score[HEADS];
+  for (int i = 0; i < HEADS; ++i) score[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < s.num_scales; ++b) {
+    const int64_t first = b * s.quant_block_size;
+    __m512 dot[HEADS];
+    for (int i = 0; i < HEADS; ++i) dot[i] = _mm512_setzero_ps();
+    for (int64_t d = first; d < first + s.quant_block_size; ++d) {
+      const __m512 k = _mm512_loadu_ps(tile + d * TILE);
+      for (int i = 0; i < HEADS; ++i) dot[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * s.head_dim + d]), k, dot[i]);
+    }
+    const __m512 scale = _mm512_loadu_ps(scales + b * TILE);
+    for (int i = 0; i < HEADS; ++i) score[i] = _mm512_fmadd_ps(dot[i], scale, score[i]);
+  }
+  for (int i = 0; i < HEADS; ++i)
+    logit = _mm512_fmadd_ps(_mm512_max_ps(_mm512_setzero_ps(), score[i]), _mm512_set1_ps(w[i]), logit);
+  return logit;
+}
+
+NVFP4_TARGET_AVX512 void tile_logits_avx512(const float* q, const float* w, const TileShape& s, const float* tile,
+                                            const float* scales, float* out) {
+  __m512 logit = _mm512_setzero_ps();
+  int64_t h = 0;
+  for (; h + 8 <= s.heads; h += 8) logit = add_heads_avx512<8>(q + h * s.head_dim, w + h, s, tile, scales, logit);
+  for (; h < s.heads; ++h) logit = add_heads_avx512<1>(q + h * s.head_dim, w + h, s, tile, scales, logit);
+  _mm512_storeu_ps(out, logit);
+}
+#endif
+
+struct LogitsKernels {
+  decltype(&convert_keys_baseline) convert_keys;
+  decltype(&convert_queries_baseline) convert_queries;
+  decltype(&tile_logits_baseline) tile_logits;
+
+  static LogitsKernels get() {
+#if NVFP4_X86
+    if (cpu_isa() == Isa::Avx512) return {convert_keys_avx512, convert_queries_avx512, tile_logits_avx512};
+    if (cpu_isa() == Isa::Avx2) return {convert_keys_avx2, convert_queries_avx2, tile_logits_avx2};
+#endif
+    return {convert_keys_baseline, convert_queries_baseline, tile_logits_baseline};
+  }
+};
+
+// --- tasks: (query rows, up to TILES_PER_TASK tiles of keys) ------------------------------------------------
+
+// One thread's floats: a query row, and the tiles of the task's keys.
+struct Scratch {
+  TileShape shape;
+  std::vector<float> q, tiles, scales;
+
+  explicit Scratch(const TileShape& s)
+      : shape(s), q(s.heads * s.head_dim), tiles(TILES_PER_TASK * s.head_dim * TILE),
+        scales(TILES_PER_TASK * s.num_scales * TILE) {}
+  float* tile(int64_t t) { return tiles.data() + t * shape.head_dim * TILE; }
+  float* tile_scales(int64_t t) { return scales.data() + t * shape.num_scales * TILE; }
+};
+
+// A task's keys [first, first + count) and the part of them [lo, hi) some row of the task sees.
+struct KeyBlock {
+  int64_t first, count, lo, hi;
+  int64_t tiles() const { return (count + TILE - 1) / TILE; }
+  bool tile_seen(int64_t t, int64_t row_lo, int64_t row_hi) const {
+    const int64_t key0 = first + t * TILE;
+    return key0 < row_hi && std::min(key0 + TILE, first + count) > row_lo;
+  }
+};
+
+// Converts the block's tiles that the task's rows see; `locate(key, keys, j)` fills lane j of `keys` with that
+// key. Lanes past the block's end, or past what the rows see, repeat the tile's first seen key: their results
+// are never stored, and keys nobody sees (a paged table's stale entries) are never looked up.
+template <typename Locate>
+void convert_block(const LogitsKernels& kernels, const KeyBlock& block, Scratch& scratch, Locate&& locate) {
+  for (int64_t t = 0; t < block.tiles(); ++t) {
+    if (!block.tile_seen(t, block.lo, block.hi)) continue;
+    const int64_t key0 = std::max(block.first + t * TILE, block.lo);
+    const int64_t end = std::min({block.first + (t + 1) * TILE, block.first + block.count, block.hi});
+    TileKeys keys;
+    for (int64_t j = 0; j < TILE; ++j) {
+      const int64_t key = block.first + t * TILE + j;
+      locate(key >= key0 && key < end ? key : key0, keys, j);
+    }
+    kernels.convert_keys(keys, scratch.shape, scratch.tile(t), scratch.tile_scales(t));
+  }
+}
+
+// logits row[first, first + count) of one query row (its q bytes, weights) that sees keys [lo, hi): the formula
+// on the seen tiles, -inf on every other column. No byte past the block's last column is written.
+void row_logits(const LogitsKernels& kernels, const KeyBlock& block, Scratch& scratch, const uint8_t* q,
+                const float* w, int64_t lo, int64_t hi, float* row) {
+  const TileShape& s = scratch.shape;
+  lo = std::max(lo, block.first);
+  hi = std::min(hi, block.first + block.count);
+  if (lo < hi) kernels.convert_queries(q, s.heads * s.head_dim, scratch.q.data());
+  for (int64_t t = 0; t < block.tiles(); ++t) {
+    const int64_t key0 = block.first + t * TILE, n = std::min<int64_t>(TILE, block.first + block.count - key0);
+    float* out = row + key0;
+    if (lo >= hi || !block.tile_seen(t, lo, hi)) {
+      std::fill(out, out + n, NEG_INF);
+      continue;
+    }
+    alignas(64) float values[TILE];
+    kernels.tile_logits(scratch.q.data(), w, s, scratch.tile(t), scratch.tile_scales(t), values);
+    for (int64_t j = 0; j < n; ++j) out[j] = key0 + j >= lo && key0 + j < hi ? values[j] : NEG_INF;
+  }
+}
+
+void indexer_mqa_logits_cpu(const Tensor& q, const Tensor& k, const Tensor& k_scale, const Tensor& weights,
+                            const Tensor& ks, const Tensor& ke, Tensor& logits) {
+  const MqaLogitsShape shape = check_indexer_mqa_logits(q, k, k_scale, weights, ks, ke, logits);
+  const TileShape s{shape.heads, shape.head_dim, shape.quant_block_size, shape.head_dim / shape.quant_block_size};
+  const int64_t rows = shape.rows, keys = shape.keys;
+  if (rows == 0 || keys == 0) return;
+  const auto* q_bytes = static_cast<const uint8_t*>(q.const_data_ptr());
+  const auto* k_bytes = static_cast<const uint8_t*>(k.const_data_ptr());
+  const auto* scale_bytes = static_cast<const uint8_t*>(k_scale.const_data_ptr());
+  const float* w = weights.const_data_ptr<float>();
+  const int32_t* starts = ks.const_data_ptr<int32_t>();
+  const int32_t* ends = ke.const_data_ptr<int32_t>();
+  float* out = logits.mutable_data_ptr<float>();
+  const int64_t k_stride = k.stride(0), scale_stride = k_scale.stride(0) * k_scale.element_size();
+  const int64_t out_stride = logits.stride(0), q_row = s.heads * s.head_dim;
+  const int64_t key_blocks = (keys + TILES_PER_TASK * TILE - 1) / (TILES_PER_TASK * TILE);
+  const int64_t row_blocks = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+  const LogitsKernels kernels = LogitsKernels::get();
+  auto seen = [&](int64_t m, int64_t& lo, int64_t& hi) {  // ranges are clamped to [0, keys)
+    lo = std::max<int64_t>(starts[m], 0);
+    hi = std::min<int64_t>(ends[m], keys);
+  };
+  auto locate = [&](int64_t key, TileKeys& tile, int64_t j) {
+    tile.values[j] = k_bytes + key * k_stride;
+    tile.scales[j] = scale_bytes + key * scale_stride;
+  };
+#pragma omp parallel if (rows * keys * q_row >= PARALLEL_MIN_MACS)
+  {
+    Scratch scratch(s);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < row_blocks * key_blocks; ++task) {
+      const int64_t r0 = task / key_blocks * ROWS_PER_TASK, r1 = std::min(r0 + ROWS_PER_TASK, rows);
+      KeyBlock block{task % key_blocks * TILES_PER_TASK * TILE, 0, keys, 0};
+      block.count = std::min(TILES_PER_TASK * TILE, keys - block.first);
+      for (int64_t m = r0; m < r1; ++m) {  // the union of the rows' ranges within the block
+        int64_t lo, hi;
+        seen(m, lo, hi);
+        lo = std::max(lo, block.first);
+        hi = std::min(hi, block.first + block.count);
+        if (lo < hi) {
+          block.lo = std::min(block.lo, lo);
+          block.hi = std::max(block.hi, hi);
+        }
+      }
+      convert_block(kernels, block, scratch, locate);
+      for (int64_t m = r0; m < r1; ++m) {
+        int64_t lo, hi;
+        seen(m, lo, hi);
+        row_logits(kernels, block, scratch, q_bytes + m * q_row, w + m * s.heads, lo, hi, out + m * out_stride);
+      }
+    }
+  }
+}
+
+void indexer_paged_mqa_logits_cpu(const Tensor& q, const Tensor& kv_cache, const Tensor& weights,
+                                  const Tensor& context_lens, const Tensor& block_table, int64_t quant_block_size,
+                                  Tensor& logits) {
+  const PagedMqaLogitsShape shape =
+      check_indexer_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, quant_block_size, logits);
+  const IndexerCacheLayout& layout = shape.layout;
+  const TileShape s{shape.heads, layout.head_dim, layout.quant_block_size, layout.num_scales()};
+  const int64_t batch = shape.batch, next_n = shape.next_n, columns = shape.columns;
+  const int32_t* table = block_table.const_data_ptr<int32_t>();
+  const int32_t* lens = context_lens.const_data_ptr<int32_t>();
+  const int64_t table_stride = block_table.stride(0);
+  check_paged_block_ids("indexer_paged_mqa_logits", table, table_stride, lens, batch, next_n, columns,
+                        layout.block_size, kv_cache.size(0));
+  if (batch == 0 || next_n == 0 || columns == 0) return;
+  const auto* q_bytes = static_cast<const uint8_t*>(q.const_data_ptr());
+  const auto* cache = static_cast<const uint8_t*>(kv_cache.const_data_ptr());
+  const float* w = weights.const_data_ptr<float>();
+  float* out = logits.mutable_data_ptr<float>();
+  const int64_t block_stride = kv_cache.stride(0), out_stride = logits.stride(0), q_row = s.heads * s.head_dim;
+  const int64_t key_blocks = (columns + TILES_PER_TASK * TILE - 1) / (TILES_PER_TASK * TILE);
+  const LogitsKernels kernels = LogitsKernels::get();
+  auto seen = [&](int64_t row) { return std::clamp<int64_t>(lens[row], 0, columns); };  // keys [0, seen)
+#pragma omp parallel if (batch * next_n * columns * q_row >= PARALLEL_MIN_MACS)
+  {
+    Scratch scratch(s);
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < batch * key_blocks; ++task) {
+      // The request's next_n query tokens share its pages: one conversion of the block's keys serves them all.
+      const int64_t b = task / key_blocks;
+      KeyBlock block{task % key_blocks * TILES_PER_TASK * TILE, 0, 0, 0};
+      block.count = std::min(TILES_PER_TASK * TILE, columns - block.first);
+      for (int64_t j = 0; j < next_n; ++j) block.hi = std::max(block.hi, seen(b * next_n + j));
+      block.lo = block.first;
+      block.hi = std::min(block.hi, block.first + block.count);
+      const int32_t* pages = table + b * table_stride;
+      convert_block(kernels, block, scratch, [&](int64_t c, TileKeys& tile, int64_t j) {
+        const uint8_t* base = cache + pages[c / layout.block_size] * block_stride;
+        const int64_t token = c % layout.block_size;
+        tile.values[j] = base + layout.value_offset(token);
+        tile.scales[j] = base + layout.scale_offset(token);
+      });
+      for (int64_t j = 0; j < next_n; ++j) {
+        const int64_t row = b * next_n + j;
+        row_logits(kernels, block, scratch, q_bytes + row * q_row, w + row * s.heads, 0, seen(row),
+                   out + row * out_stride);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(vllm_nvfp4, CPU, m) {
+  m.impl("indexer_mqa_logits", TORCH_BOX(&indexer_mqa_logits_cpu));
+  m.impl("indexer_paged_mqa_logits", TORCH_BOX(&indexer_paged_mqa_logits_cpu));
+}
+
+}  // namespace vllm_nvfp4
