@@ -4,10 +4,12 @@
 // Keys go 16 at a time (a tile, one vector lane per key): their FP8 bytes are transposed and converted once into a
 // float tile [head_dim][16], which every head and every query row that sees those keys reuses. Per head, q[h][d]
 // broadcast times tile row d accumulates the 16 dot products with fused multiply-adds; 8 heads (AVX-512) or 4
-// (AVX2, baseline) at a time keep their accumulators in registers. The work is split into tasks of (query rows,
-// 512 keys); each output comes from one tile call summing in a fixed order (d, quant block, head), so the results
-// do not depend on the number of threads. Like cpu_ops.cpp, the tile kernels exist as AVX-512, AVX2 and
-// baseline x86-64 variants, and VLLM_NVFP4_CPU_ISA=avx2|baseline caps the choice.
+// (AVX2, baseline) at a time keep their accumulators in registers. Where the CPU has AVX-512 BF16 (Zen 4), the
+// tiles hold the keys as exact bfloat16 pairs and a dot-product instruction does two multiply-adds a lane. The
+// work is split into tasks of (query rows, 512 keys); each output comes from one tile call summing in a fixed
+// order (d, quant block, head), so the results do not depend on the number of threads. Like cpu_ops.cpp, the
+// kernels exist as AVX-512 (+ BF16), AVX2 and baseline x86-64 variants; VLLM_NVFP4_CPU_ISA=avx512|avx2|baseline
+// caps the choice (avx512 without the BF16 dot product).
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 
@@ -53,17 +55,19 @@ struct TileKeys {
 };
 
 // --- instruction-set variants (the same choice and override as cpu_ops.cpp) -------------------------------
-enum class Isa { Baseline, Avx2, Avx512 };
+// Avx512Bf16: AVX-512 plus the BF16 dot product (Zen 4, Sapphire Rapids), which VLLM_NVFP4_CPU_ISA=avx512 leaves out.
+enum class Isa { Baseline, Avx2, Avx512, Avx512Bf16 };
 
 #if NVFP4_X86
+#define NVFP4_TARGET_AVX512_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
 #define NVFP4_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
 #define NVFP4_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
 
 Isa detect_isa() {
   __builtin_cpu_init();
-  Isa isa = __builtin_cpu_supports("x86-64-v4") ? Isa::Avx512
-            : __builtin_cpu_supports("x86-64-v3") ? Isa::Avx2
-                                                  : Isa::Baseline;
+  Isa isa = !__builtin_cpu_supports("x86-64-v4")  ? (__builtin_cpu_supports("x86-64-v3") ? Isa::Avx2 : Isa::Baseline)
+            : __builtin_cpu_supports("avx512bf16") ? Isa::Avx512Bf16
+                                                   : Isa::Avx512;
   if (const char* cap = std::getenv("VLLM_NVFP4_CPU_ISA")) {
     const std::string name(cap);
     NVFP4_CHECK(name == "avx512" || name == "avx2" || name == "baseline",
@@ -103,24 +107,43 @@ NVFP4_INLINE simd::f32x16 decode16(simd::u8x16 codes) {
   return simd::e4m3_decode<native>(__builtin_convertvector(codes, simd::u32x16));
 }
 
-// The float tile [head_dim][16] and scale tile [num_scales][16] of a tile's keys.
-template <bool native>
-NVFP4_INLINE void convert_keys_impl(const TileKeys& keys, const TileShape& s, float* tile, float* scales) {
-  int64_t d0 = 0;
-  for (; d0 + TILE <= s.head_dim; d0 += TILE) {
-    simd::u8x16 m[TILE];
-    for (int j = 0; j < TILE; ++j) std::memcpy(&m[j], keys.values[j] + d0, sizeof m[j]);
-    transpose_bytes(m);
-    for (int i = 0; i < TILE; ++i) simd::store16(decode16<native>(m[i]), tile + (d0 + i) * TILE);
-  }
-  for (; d0 < s.head_dim; ++d0)
-    for (int j = 0; j < TILE; ++j) tile[d0 * TILE + j] = e4m3_decode(keys.values[j][d0]);
+// The scale tile [num_scales][16] of a tile's keys.
+NVFP4_INLINE void gather_scales(const TileKeys& keys, const TileShape& s, float* scales) {
   for (int64_t b = 0; b < s.num_scales; ++b)
     for (int j = 0; j < TILE; ++j) std::memcpy(scales + b * TILE + j, keys.scales[j] + 4 * b, 4);
 }
 
+// Calls store(d0, rows) for each 16 dimensions d0.. of a tile's keys, rows[i] holding the 16 keys' E4M3 codes of
+// dimension d0 + i, and store_one(d, j, code) for the dimensions past the last multiple of 16.
+template <typename Store, typename StoreOne>
+NVFP4_INLINE void transposed_keys(const TileKeys& keys, int64_t head_dim, Store&& store, StoreOne&& store_one) {
+  int64_t d0 = 0;
+  for (; d0 + TILE <= head_dim; d0 += TILE) {
+    simd::u8x16 rows[TILE];
+    for (int j = 0; j < TILE; ++j) std::memcpy(&rows[j], keys.values[j] + d0, sizeof rows[j]);
+    transpose_bytes(rows);
+    store(d0, rows);
+  }
+  for (; d0 < head_dim; ++d0)
+    for (int j = 0; j < TILE; ++j) store_one(d0, j, keys.values[j][d0]);
+}
+
+// Float32 kernels' operands: the key tile as floats [head_dim][16], a query row as floats [heads][head_dim].
 template <bool native>
-NVFP4_INLINE void convert_queries_impl(const uint8_t* q, int64_t n, float* out) {
+NVFP4_INLINE void convert_keys_f32(const TileKeys& keys, const TileShape& s, void* tile_out, float* scales) {
+  float* tile = static_cast<float*>(tile_out);
+  transposed_keys(
+      keys, s.head_dim,
+      [&](int64_t d0, const simd::u8x16(&rows)[TILE]) __attribute__((always_inline)) {
+        for (int i = 0; i < TILE; ++i) simd::store16(decode16<native>(rows[i]), tile + (d0 + i) * TILE);
+      },
+      [&](int64_t d, int j, uint8_t code) { tile[d * TILE + j] = e4m3_decode(code); });
+  gather_scales(keys, s, scales);
+}
+
+template <bool native>
+NVFP4_INLINE void convert_queries_f32(const uint8_t* q, int64_t n, void* out_buffer) {
+  float* out = static_cast<float*>(out_buffer);
   int64_t e = 0;
   for (; e + TILE <= n; e += TILE) {
     simd::u8x16 codes;
@@ -130,15 +153,56 @@ NVFP4_INLINE void convert_queries_impl(const uint8_t* q, int64_t n, float* out) 
   for (; e < n; ++e) out[e] = e4m3_decode(q[e]);
 }
 
-#define NVFP4_CONVERT_KERNELS(ISA, TARGET, NATIVE)                                                     \
-  TARGET void convert_keys_##ISA(const TileKeys& keys, const TileShape& s, float* tile, float* scales) { \
-    convert_keys_impl<NATIVE>(keys, s, tile, scales);                                                  \
-  }                                                                                                    \
-  TARGET void convert_queries_##ISA(const uint8_t* q, int64_t n, float* out) { convert_queries_impl<NATIVE>(q, n, out); }
-NVFP4_CONVERT_KERNELS(baseline, , false)
+// BF16 kernels' operands. E4M3 values are exact in bfloat16 (the top half of their float32). The key tile is
+// [head_dim / 2][16] pairs (bf16 of dimension d in the low half of a 32-bit lane, d + 1 in the high half), the
+// pairs the BF16 dot product multiplies; a query row is [heads][head_dim] bf16, whose pairs read the same way.
+NVFP4_INLINE uint16_t bf16_bits(float exact) { return static_cast<uint16_t>(float_bits(exact) >> 16); }
+
+NVFP4_INLINE void convert_keys_bf16(const TileKeys& keys, const TileShape& s, void* tile_out, float* scales) {
+  auto* tile = static_cast<uint8_t*>(tile_out);
+  transposed_keys(
+      keys, s.head_dim,
+      [&](int64_t d0, const simd::u8x16(&rows)[TILE]) __attribute__((always_inline)) {
+        for (int i = 0; i < TILE; i += 2) {
+          const simd::u32x16 pairs = (simd::as_u32(decode16<true>(rows[i])) >> 16) |
+                                     (simd::as_u32(decode16<true>(rows[i + 1])) & 0xFFFF0000u);
+          std::memcpy(tile + (d0 + i) / 2 * TILE * 4, &pairs, sizeof pairs);
+        }
+      },
+      [&](int64_t d, int j, uint8_t code) {
+        const uint16_t bits = bf16_bits(e4m3_decode(code));
+        std::memcpy(tile + ((d / 2 * TILE + j) * 2 + d % 2) * 2, &bits, 2);
+      });
+  gather_scales(keys, s, scales);
+}
+
+NVFP4_INLINE void convert_queries_bf16(const uint8_t* q, int64_t n, void* out_buffer) {
+  auto* out = static_cast<uint8_t*>(out_buffer);
+  int64_t e = 0;
+  for (; e + TILE <= n; e += TILE) {
+    simd::u8x16 codes;
+    std::memcpy(&codes, q + e, sizeof codes);
+    const simd::u16x16 bits = __builtin_convertvector(simd::as_u32(decode16<true>(codes)) >> 16, simd::u16x16);
+    std::memcpy(out + 2 * e, &bits, sizeof bits);
+  }
+  for (; e < n; ++e) {
+    const uint16_t bits = bf16_bits(e4m3_decode(q[e]));
+    std::memcpy(out + 2 * e, &bits, 2);
+  }
+}
+
+#define NVFP4_CONVERT_KERNELS(ISA, TARGET, FORMAT, ...)                                                \
+  TARGET void convert_keys_##ISA(const TileKeys& keys, const TileShape& s, void* tile, float* scales) { \
+    convert_keys_##FORMAT __VA_ARGS__(keys, s, tile, scales);                                         \
+  }                                                                                                   \
+  TARGET void convert_queries_##ISA(const uint8_t* q, int64_t n, void* out) {                         \
+    convert_queries_##FORMAT __VA_ARGS__(q, n, out);                                                  \
+  }
+NVFP4_CONVERT_KERNELS(baseline, , f32, <false>)
 #if NVFP4_X86
-NVFP4_CONVERT_KERNELS(avx512, NVFP4_TARGET_AVX512, true)
-NVFP4_CONVERT_KERNELS(avx2, NVFP4_TARGET_AVX2, false)
+NVFP4_CONVERT_KERNELS(avx512_bf16, NVFP4_TARGET_AVX512_BF16, bf16)
+NVFP4_CONVERT_KERNELS(avx512, NVFP4_TARGET_AVX512, f32, <true>)
+NVFP4_CONVERT_KERNELS(avx2, NVFP4_TARGET_AVX2, f32, <false>)
 #endif
 #undef NVFP4_CONVERT_KERNELS
 
@@ -167,8 +231,10 @@ NVFP4_INLINE simd::f32x16 add_heads_generic(const float* q, const float* w, cons
   return logit;
 }
 
-void tile_logits_baseline(const float* q, const float* w, const TileShape& s, const float* tile,
+void tile_logits_baseline(const void* q_row, const float* w, const TileShape& s, const void* tile_in,
                           const float* scales, float* out) {
+  const auto* q = static_cast<const float*>(q_row);
+  const auto* tile = static_cast<const float*>(tile_in);
   simd::f32x16 logit = {};
   int64_t h = 0;
   for (; h + 4 <= s.heads; h += 4) logit = add_heads_generic<4>(q + h * s.head_dim, w + h, s, tile, scales, logit);
@@ -209,8 +275,10 @@ NVFP4_TARGET_AVX2 NVFP4_INLINE void add_heads_avx2(const float* q, const float* 
   }
 }
 
-NVFP4_TARGET_AVX2 void tile_logits_avx2(const float* q, const float* w, const TileShape& s, const float* tile,
+NVFP4_TARGET_AVX2 void tile_logits_avx2(const void* q_row, const float* w, const TileShape& s, const void* tile_in,
                                         const float* scales, float* out) {
+  const auto* q = static_cast<const float*>(q_row);
+  const auto* tile = static_cast<const float*>(tile_in);
   __m256 logit[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   int64_t h = 0;
   for (; h + 4 <= s.heads; h += 4) add_heads_avx2<4>(q + h * s.head_dim, w + h, s, tile, scales, logit);
@@ -241,12 +309,55 @@ NVFP4_TARGET_AVX512 NVFP4_INLINE __m512 add_heads_avx512(const float* q, const f
   return logit;
 }
 
-NVFP4_TARGET_AVX512 void tile_logits_avx512(const float* q, const float* w, const TileShape& s, const float* tile,
-                                            const float* scales, float* out) {
+NVFP4_TARGET_AVX512 void tile_logits_avx512(const void* q_row, const float* w, const TileShape& s,
+                                            const void* tile_in, const float* scales, float* out) {
+  const auto* q = static_cast<const float*>(q_row);
+  const auto* tile = static_cast<const float*>(tile_in);
   __m512 logit = _mm512_setzero_ps();
   int64_t h = 0;
   for (; h + 8 <= s.heads; h += 8) logit = add_heads_avx512<8>(q + h * s.head_dim, w + h, s, tile, scales, logit);
   for (; h < s.heads; ++h) logit = add_heads_avx512<1>(q + h * s.head_dim, w + h, s, tile, scales, logit);
+  _mm512_storeu_ps(out, logit);
+}
+
+// AVX-512 BF16: one dot-product instruction multiplies a pair of dimensions of 16 keys by q's pair (exact
+// products, float32 sums), twice the multiply-adds of an FMA. No denormal arises: the E4M3 values are normal in
+// bf16 and every partial sum is a multiple of 2^-18, so the instruction's flushing changes nothing.
+template <int HEADS>
+NVFP4_TARGET_AVX512_BF16 NVFP4_INLINE __m512 add_heads_bf16(const uint8_t* q, const float* w, const TileShape& s,
+                                                             const uint8_t* tile, const float* scales,
+                                                             __m512 logit) {
+  __m512 score[HEADS];
+  for (int i = 0; i < HEADS; ++i) score[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < s.num_scales; ++b) {
+    const int64_t first = b * s.quant_block_size / 2;
+    __m512 dot[HEADS];
+    for (int i = 0; i < HEADS; ++i) dot[i] = _mm512_setzero_ps();
+    for (int64_t p = first; p < first + s.quant_block_size / 2; ++p) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(tile + p * TILE * 4);
+      for (int i = 0; i < HEADS; ++i) {
+        int32_t q_pair;
+        std::memcpy(&q_pair, q + (i * s.head_dim + 2 * p) * 2, 4);
+        dot[i] = _mm512_dpbf16_ps(dot[i], (__m512bh)_mm512_set1_epi32(q_pair), k);
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(scales + b * TILE);
+    for (int i = 0; i < HEADS; ++i) score[i] = _mm512_fmadd_ps(dot[i], scale, score[i]);
+  }
+  for (int i = 0; i < HEADS; ++i)
+    logit = _mm512_fmadd_ps(_mm512_max_ps(_mm512_setzero_ps(), score[i]), _mm512_set1_ps(w[i]), logit);
+  return logit;
+}
+
+NVFP4_TARGET_AVX512_BF16 void tile_logits_avx512_bf16(const void* q_row, const float* w, const TileShape& s,
+                                                      const void* tile_in, const float* scales, float* out) {
+  const auto* q = static_cast<const uint8_t*>(q_row);
+  const auto* tile = static_cast<const uint8_t*>(tile_in);
+  const int64_t q_head_bytes = s.head_dim * 2;
+  __m512 logit = _mm512_setzero_ps();
+  int64_t h = 0;
+  for (; h + 8 <= s.heads; h += 8) logit = add_heads_bf16<8>(q + h * q_head_bytes, w + h, s, tile, scales, logit);
+  for (; h < s.heads; ++h) logit = add_heads_bf16<1>(q + h * q_head_bytes, w + h, s, tile, scales, logit);
   _mm512_storeu_ps(out, logit);
 }
 #endif
@@ -256,9 +367,12 @@ struct LogitsKernels {
   decltype(&convert_queries_baseline) convert_queries;
   decltype(&tile_logits_baseline) tile_logits;
 
-  static LogitsKernels get() {
+  static LogitsKernels get(const TileShape& s) {
 #if NVFP4_X86
-    if (cpu_isa() == Isa::Avx512) return {convert_keys_avx512, convert_queries_avx512, tile_logits_avx512};
+    // The BF16 dot product multiplies pairs of dimensions, which must not straddle two quant blocks.
+    if (cpu_isa() == Isa::Avx512Bf16 && s.quant_block_size % 2 == 0)
+      return {convert_keys_avx512_bf16, convert_queries_avx512_bf16, tile_logits_avx512_bf16};
+    if (cpu_isa() >= Isa::Avx512) return {convert_keys_avx512, convert_queries_avx512, tile_logits_avx512};
     if (cpu_isa() == Isa::Avx2) return {convert_keys_avx2, convert_queries_avx2, tile_logits_avx2};
 #endif
     return {convert_keys_baseline, convert_queries_baseline, tile_logits_baseline};
@@ -345,7 +459,7 @@ void indexer_mqa_logits_cpu(const Tensor& q, const Tensor& k, const Tensor& k_sc
   const int64_t out_stride = logits.stride(0), q_row = s.heads * s.head_dim;
   const int64_t key_blocks = (keys + TILES_PER_TASK * TILE - 1) / (TILES_PER_TASK * TILE);
   const int64_t row_blocks = (rows + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
-  const LogitsKernels kernels = LogitsKernels::get();
+  const LogitsKernels kernels = LogitsKernels::get(s);
   auto seen = [&](int64_t m, int64_t& lo, int64_t& hi) {  // ranges are clamped to [0, keys)
     lo = std::max<int64_t>(starts[m], 0);
     hi = std::min<int64_t>(ends[m], keys);
@@ -402,7 +516,7 @@ void indexer_paged_mqa_logits_cpu(const Tensor& q, const Tensor& kv_cache, const
   float* out = logits.mutable_data_ptr<float>();
   const int64_t block_stride = kv_cache.stride(0), out_stride = logits.stride(0), q_row = s.heads * s.head_dim;
   const int64_t key_blocks = (columns + TILES_PER_TASK * TILE - 1) / (TILES_PER_TASK * TILE);
-  const LogitsKernels kernels = LogitsKernels::get();
+  const LogitsKernels kernels = LogitsKernels::get(s);
   auto seen = [&](int64_t row) { return std::clamp<int64_t>(lens[row], 0, columns); };  // keys [0, seen)
 #pragma omp parallel if (batch * next_n * columns * q_row >= PARALLEL_MIN_MACS)
   {
