@@ -87,11 +87,12 @@ Isa cpu_isa() {
 
 // --- FP8 → float32 (generic vector code, compiled into each variant) -------------------------------------
 
-// Interleaving rows i and i + 8 rotates each byte's 8-bit (row, column) address left by one bit, so four rounds
-// swap row and column: the transpose of a 16×16 byte matrix.
-NVFP4_INLINE void transpose_bytes(simd::u8x16 (&m)[16]) {
+// Interleaving rows i and i + 8 rotates each element's 8-bit (row, column) address left by one bit, so four rounds
+// swap row and column: the transpose of a 16×16 matrix (of bytes, or of 32-bit lanes).
+template <typename V>
+NVFP4_INLINE void transpose16(V (&m)[16]) {
   for (int round = 0; round < 4; ++round) {
-    simd::u8x16 next[16];
+    V next[16];
     for (int i = 0; i < 8; ++i) {
       next[2 * i] = __builtin_shufflevector(m[i], m[i + 8], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
       next[2 * i + 1] =
@@ -121,7 +122,7 @@ NVFP4_INLINE void transposed_keys(const TileKeys& keys, int64_t head_dim, Store&
   for (; d0 + TILE <= head_dim; d0 += TILE) {
     simd::u8x16 rows[TILE];
     for (int j = 0; j < TILE; ++j) std::memcpy(&rows[j], keys.values[j] + d0, sizeof rows[j]);
-    transpose_bytes(rows);
+    transpose16(rows);
     store(d0, rows);
   }
   for (; d0 < head_dim; ++d0)
@@ -200,11 +201,62 @@ NVFP4_INLINE void convert_queries_bf16(const uint8_t* q, int64_t n, void* out_bu
   }
 NVFP4_CONVERT_KERNELS(baseline, , f32, <false>)
 #if NVFP4_X86
-NVFP4_CONVERT_KERNELS(avx512_bf16, NVFP4_TARGET_AVX512_BF16, bf16)
+NVFP4_CONVERT_KERNELS(avx512_bf16_generic, NVFP4_TARGET_AVX512_BF16, bf16)
 NVFP4_CONVERT_KERNELS(avx512, NVFP4_TARGET_AVX512, f32, <true>)
 NVFP4_CONVERT_KERNELS(avx2, NVFP4_TARGET_AVX2, f32, <false>)
 #endif
 #undef NVFP4_CONVERT_KERNELS
+
+#if NVFP4_X86
+// AVX-512 BF16 key tiles by table: 32 codes at a time become bf16 through two 64-entry word lookups, and 16×16
+// transposes of 32-bit pairs put them in place (a third of the instructions of the generic path).
+struct Bf16OfE4m3 {
+  alignas(64) uint16_t magnitude[128];  // bf16 bits of the E4M3 codes 0..127 (quant.h's decode, exact)
+  Bf16OfE4m3() {
+    for (int code = 0; code < 128; ++code) magnitude[code] = bf16_bits(e4m3_decode(static_cast<uint8_t>(code)));
+  }
+};
+const Bf16OfE4m3 BF16_OF_E4M3;
+
+// The bf16 bits of the E4M3 codes in the low bytes of 32 16-bit lanes.
+NVFP4_TARGET_AVX512_BF16 NVFP4_INLINE __m512i bf16_of_codes(__m512i codes, const __m512i (&table)[4]) {
+  const __m512i low = _mm512_permutex2var_epi16(table[0], codes, table[1]);   // index: the code's low 6 bits
+  const __m512i high = _mm512_permutex2var_epi16(table[2], codes, table[3]);  // magnitudes 64..127
+  const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(codes, _mm512_set1_epi16(0x40)), low, high);
+  // ternary-logic 0xF8: a | b & c, the sign bit 7 moved to bit 15
+  return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(codes, 8), _mm512_set1_epi16(-0x8000), 0xF8);
+}
+
+NVFP4_TARGET_AVX512_BF16 void convert_keys_avx512_bf16(const TileKeys& keys, const TileShape& s, void* tile_out,
+                                                       float* scales) {
+  if (s.head_dim % 32 != 0) return convert_keys_avx512_bf16_generic(keys, s, tile_out, scales);
+  auto* tile = static_cast<uint8_t*>(tile_out);
+  __m512i table[4];
+  for (int i = 0; i < 4; ++i) table[i] = _mm512_load_si512(BF16_OF_E4M3.magnitude + 32 * i);
+  for (int64_t d0 = 0; d0 < s.head_dim; d0 += 32) {
+    simd::u32x16 pairs[TILE];  // pairs[j]: key j's 16 bf16 pairs of dimensions d0..d0+31
+    for (int j = 0; j < TILE; ++j) {
+      const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys.values[j] + d0)));
+      pairs[j] = __builtin_bit_cast(simd::u32x16, bf16_of_codes(codes, table));
+    }
+    transpose16(pairs);  // pairs[i]: pair i of the 16 keys
+    for (int i = 0; i < TILE; ++i) std::memcpy(tile + (d0 / 2 + i) * TILE * 4, &pairs[i], sizeof pairs[i]);
+  }
+  gather_scales(keys, s, scales);
+}
+
+NVFP4_TARGET_AVX512_BF16 void convert_queries_avx512_bf16(const uint8_t* q, int64_t n, void* out_buffer) {
+  auto* out = static_cast<uint8_t*>(out_buffer);
+  __m512i table[4];
+  for (int i = 0; i < 4; ++i) table[i] = _mm512_load_si512(BF16_OF_E4M3.magnitude + 32 * i);
+  int64_t e = 0;
+  for (; e + 32 <= n; e += 32) {
+    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + e)));
+    _mm512_storeu_si512(out + 2 * e, bf16_of_codes(codes, table));
+  }
+  convert_queries_avx512_bf16_generic(q + e, n - e, out + 2 * e);
+}
+#endif
 
 // --- tile kernels: out[16] = the logits of a tile's 16 keys for one query row ----------------------------
 // q: the row's [heads][head_dim] floats, w: its heads' weights. Each adds Σ_h w[h] · relu(Σ_b s_b · dot_b)
