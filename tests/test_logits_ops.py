@@ -150,17 +150,26 @@ def test_paged_logits_are_independent_of_the_batch(device):
 
 
 def test_opcheck(device):
+    """opcheck's fake-tensor and AOT-dispatch tests. Its schema test cannot compare FP8 tensors ("mul_cpu_reduced_float"
+    is not implemented for them), so the schema's one mutated argument is checked here directly: every input's
+    bytes are unchanged after the call."""
     g = torch.Generator().manual_seed(3)
     values, scale_bytes = random_keys(g, 70, 128, 128, "")
     q, w = queries(g, (9,), 16, 128)
     ks, ke = torch.zeros(9, dtype=torch.int32), torch.arange(9, dtype=torch.int32) * 8
-    args = [t.to(device) for t in (q, values, scale_bytes, w, ks, ke)] + [torch.empty(9, 70, device=device)]
-    torch.library.opcheck(torch.ops.vllm_nvfp4.indexer_mqa_logits.default, args)
+    mqa = [t.to(device) for t in (q, values, scale_bytes, w, ks, ke)] + [torch.empty(9, 70, device=device)]
     context_lens = torch.tensor([[40, 41], [100, 101]], dtype=torch.int32)
     cache, table, q, w = paged_case(g, context_lens, 16, 128, 64, 128, device)
-    args = [q.to(device), cache, w.to(device), context_lens.to(device), table.to(device), 128,
-            torch.empty(4, 128, device=device)]
-    torch.library.opcheck(torch.ops.vllm_nvfp4.indexer_paged_mqa_logits.default, args)
+    paged = [q.to(device), cache, w.to(device), context_lens.to(device), table.to(device), 128,
+             torch.empty(4, 128, device=device)]
+    tests = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    for op, args in ((torch.ops.vllm_nvfp4.indexer_mqa_logits, mqa), (torch.ops.vllm_nvfp4.indexer_paged_mqa_logits,
+                                                                      paged)):
+        torch.library.opcheck(op.default, args, test_utils=tests)
+        inputs = [a for a in args[:-1] if isinstance(a, torch.Tensor)]
+        before = [a.cpu().view(torch.uint8).clone() for a in inputs]
+        op(*args)
+        assert all(torch.equal(a.cpu().view(torch.uint8), b) for a, b in zip(inputs, before)), "an input changed"
 
 
 # --- bad input ---------------------------------------------------------------------------------------------
@@ -188,7 +197,7 @@ def paged_args(device: str) -> dict:
 BAD_MQA = [
     ("q", lambda a: a["q"].float(), "q: dtype must be float8_e4m3fn"),
     ("q", lambda a: a["q"][:, :, :64].contiguous(), "k: head_dim 128 does not match q's 64"),
-    ("k_scale", lambda a: a["k_scale"][:, :3], "do not split head_dim 128"),
+    ("k_scale", lambda a: a["k_scale"][:, :3], "k_scale: 3 scale bytes a key do not split head_dim 128"),
     ("k_scale", lambda a: a["k_scale"][:19], "k_scale: must have k's 20 rows"),
     ("weights", lambda a: a["weights"][:, :7], "weights: must have shape [rows, heads] = [4, 8]"),
     ("ks", lambda a: a["ks"].long(), "ks: dtype must be int32"),
@@ -198,7 +207,7 @@ BAD_MQA = [
 ]
 
 BAD_PAGED = [
-    ("quant_block_size", lambda a: 96, "head_dim 128 must be a positive multiple of quant_block_size 96"),
+    ("quant_block_size", lambda a: 96, "quant_block_size: head_dim 128 must be a positive multiple of quant_block_size 96"),
     ("quant_block_size", lambda a: 64, "kv_cache: last dim 132 is not head_dim + head_dim/quant_block_size*4"),
     ("block_table", lambda a: a["block_table"][:1], "block_table: must have one row per request (2)"),
     ("context_lens", lambda a: a["context_lens"].view(1, 2), "context_lens: must have shape [batch, next_n] = [2, 1]"),
