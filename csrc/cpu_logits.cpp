@@ -85,7 +85,11 @@ Isa cpu_isa() {
   return isa;
 }
 
-// --- FP8 → float32 (generic vector code, compiled into each variant) -------------------------------------
+// --- FP8 → the kernels' operands ----------------------------------------------------------------------
+// Float32 kernels: a key tile is floats [head_dim][16], a query row floats [heads][head_dim]. BF16 kernels: E4M3
+// values are exact in bfloat16 (the top half of their float32); a key tile is [head_dim / 2][16] 32-bit lanes,
+// each the bf16 pair (dimension d in the low half, d + 1 in the high half) the dot product multiplies, and a query
+// row is bf16 [heads][head_dim], whose pairs read the same way.
 
 // Interleaving rows i and i + 8 rotates each element's 8-bit (row, column) address left by one bit, so four rounds
 // swap row and column: the transpose of a 16×16 matrix (of bytes, or of 32-bit lanes).
@@ -102,159 +106,133 @@ NVFP4_INLINE void transpose16(V (&m)[16]) {
   }
 }
 
-// 16 E4M3 codes → their float32 values, exactly (quant.h's decode, NaN included).
-template <bool native>
-NVFP4_INLINE simd::f32x16 decode16(simd::u8x16 codes) {
-  return simd::e4m3_decode<native>(__builtin_convertvector(codes, simd::u32x16));
-}
-
 // The scale tile [num_scales][16] of a tile's keys.
 NVFP4_INLINE void gather_scales(const TileKeys& keys, const TileShape& s, float* scales) {
   for (int64_t b = 0; b < s.num_scales; ++b)
     for (int j = 0; j < TILE; ++j) std::memcpy(scales + b * TILE + j, keys.scales[j] + 4 * b, 4);
 }
 
-// Calls store(d0, rows) for each 16 dimensions d0.. of a tile's keys, rows[i] holding the 16 keys' E4M3 codes of
-// dimension d0 + i, and store_one(d, j, code) for the dimensions past the last multiple of 16.
-template <typename Store, typename StoreOne>
-NVFP4_INLINE void transposed_keys(const TileKeys& keys, int64_t head_dim, Store&& store, StoreOne&& store_one) {
-  int64_t d0 = 0;
-  for (; d0 + TILE <= head_dim; d0 += TILE) {
-    simd::u8x16 rows[TILE];
-    for (int j = 0; j < TILE; ++j) std::memcpy(&rows[j], keys.values[j] + d0, sizeof rows[j]);
-    transpose16(rows);
-    store(d0, rows);
-  }
-  for (; d0 < head_dim; ++d0)
-    for (int j = 0; j < TILE; ++j) store_one(d0, j, keys.values[j][d0]);
-}
-
-// Float32 kernels' operands: the key tile as floats [head_dim][16], a query row as floats [heads][head_dim].
-template <bool native>
+// Float32 key tile: 16 dimensions at a time, the keys' codes transposed, then converted by `decode` (n codes →
+// n floats, exact), the variant's own function.
+template <void (*decode)(const uint8_t*, int64_t, void*)>
 NVFP4_INLINE void convert_keys_f32(const TileKeys& keys, const TileShape& s, void* tile_out, float* scales) {
   float* tile = static_cast<float*>(tile_out);
-  transposed_keys(
-      keys, s.head_dim,
-      [&](int64_t d0, const simd::u8x16(&rows)[TILE]) __attribute__((always_inline)) {
-        for (int i = 0; i < TILE; ++i) simd::store16(decode16<native>(rows[i]), tile + (d0 + i) * TILE);
-      },
-      [&](int64_t d, int j, uint8_t code) { tile[d * TILE + j] = e4m3_decode(code); });
+  int64_t d0 = 0;
+  for (; d0 + TILE <= s.head_dim; d0 += TILE) {
+    simd::u8x16 rows[TILE];
+    for (int j = 0; j < TILE; ++j) std::memcpy(&rows[j], keys.values[j] + d0, sizeof rows[j]);
+    transpose16(rows);  // rows[i]: the 16 keys' codes of dimension d0 + i
+    decode(reinterpret_cast<const uint8_t*>(rows), TILE * TILE, tile + d0 * TILE);
+  }
+  for (; d0 < s.head_dim; ++d0)
+    for (int j = 0; j < TILE; ++j) tile[d0 * TILE + j] = e4m3_decode(keys.values[j][d0]);
   gather_scales(keys, s, scales);
 }
 
-template <bool native>
-NVFP4_INLINE void convert_queries_f32(const uint8_t* q, int64_t n, void* out_buffer) {
+// Baseline: quant.h's decode as vector operations.
+void decode_baseline(const uint8_t* codes, int64_t n, void* out_buffer) {
   float* out = static_cast<float*>(out_buffer);
   int64_t e = 0;
   for (; e + TILE <= n; e += TILE) {
-    simd::u8x16 codes;
-    std::memcpy(&codes, q + e, sizeof codes);
-    simd::store16(decode16<native>(codes), out + e);
+    simd::u8x16 c;
+    std::memcpy(&c, codes + e, sizeof c);
+    simd::store16(simd::e4m3_decode<false>(__builtin_convertvector(c, simd::u32x16)), out + e);
   }
-  for (; e < n; ++e) out[e] = e4m3_decode(q[e]);
+  for (; e < n; ++e) out[e] = e4m3_decode(codes[e]);
 }
 
-// BF16 kernels' operands. E4M3 values are exact in bfloat16 (the top half of their float32). The key tile is
-// [head_dim / 2][16] pairs (bf16 of dimension d in the low half of a 32-bit lane, d + 1 in the high half), the
-// pairs the BF16 dot product multiplies; a query row is [heads][head_dim] bf16, whose pairs read the same way.
-NVFP4_INLINE uint16_t bf16_bits(float exact) { return static_cast<uint16_t>(float_bits(exact) >> 16); }
-
-NVFP4_INLINE void convert_keys_bf16(const TileKeys& keys, const TileShape& s, void* tile_out, float* scales) {
-  auto* tile = static_cast<uint8_t*>(tile_out);
-  transposed_keys(
-      keys, s.head_dim,
-      [&](int64_t d0, const simd::u8x16(&rows)[TILE]) __attribute__((always_inline)) {
-        for (int i = 0; i < TILE; i += 2) {
-          const simd::u32x16 pairs = (simd::as_u32(decode16<true>(rows[i])) >> 16) |
-                                     (simd::as_u32(decode16<true>(rows[i + 1])) & 0xFFFF0000u);
-          std::memcpy(tile + (d0 + i) / 2 * TILE * 4, &pairs, sizeof pairs);
-        }
-      },
-      [&](int64_t d, int j, uint8_t code) {
-        const uint16_t bits = bf16_bits(e4m3_decode(code));
-        std::memcpy(tile + ((d / 2 * TILE + j) * 2 + d % 2) * 2, &bits, 2);
-      });
-  gather_scales(keys, s, scales);
+#if NVFP4_X86
+// AVX2 and AVX-512 through F16C: an E4M3 code's exponent and mantissa bits placed in a float16's are the value
+// times 2^-8 (the exponent bias is 15 instead of 7; subnormals included), exact; NaN codes become a float16 NaN.
+NVFP4_TARGET_AVX2 NVFP4_INLINE __m256i halves_of_codes(__m128i codes) {
+  const __m256i words = _mm256_cvtepu8_epi16(codes);
+  const __m256i magnitude = _mm256_and_si256(words, _mm256_set1_epi16(0x7F));
+  const __m256i nan = _mm256_cmpeq_epi16(magnitude, _mm256_set1_epi16(0x7F));
+  const __m256i bits = _mm256_blendv_epi8(_mm256_slli_epi16(magnitude, 7), _mm256_set1_epi16(0x7E00), nan);
+  return _mm256_or_si256(bits, _mm256_and_si256(_mm256_slli_epi16(words, 8), _mm256_set1_epi16(-0x8000)));
 }
 
-NVFP4_INLINE void convert_queries_bf16(const uint8_t* q, int64_t n, void* out_buffer) {
-  auto* out = static_cast<uint8_t*>(out_buffer);
+NVFP4_TARGET_AVX2 void decode_avx2(const uint8_t* codes, int64_t n, void* out_buffer) {
+  float* out = static_cast<float*>(out_buffer);
+  const __m256 undo_bias = _mm256_set1_ps(256.0f);
   int64_t e = 0;
   for (; e + TILE <= n; e += TILE) {
-    simd::u8x16 codes;
-    std::memcpy(&codes, q + e, sizeof codes);
-    const simd::u16x16 bits = __builtin_convertvector(simd::as_u32(decode16<true>(codes)) >> 16, simd::u16x16);
-    std::memcpy(out + 2 * e, &bits, sizeof bits);
+    const __m256i halves = halves_of_codes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + e)));
+    _mm256_storeu_ps(out + e, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(halves)), undo_bias));
+    _mm256_storeu_ps(out + e + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1)), undo_bias));
   }
-  for (; e < n; ++e) {
-    const uint16_t bits = bf16_bits(e4m3_decode(q[e]));
-    std::memcpy(out + 2 * e, &bits, 2);
-  }
+  for (; e < n; ++e) out[e] = e4m3_decode(codes[e]);
 }
 
-#define NVFP4_CONVERT_KERNELS(ISA, TARGET, FORMAT, ...)                                                \
-  TARGET void convert_keys_##ISA(const TileKeys& keys, const TileShape& s, void* tile, float* scales) { \
-    convert_keys_##FORMAT __VA_ARGS__(keys, s, tile, scales);                                         \
-  }                                                                                                   \
-  TARGET void convert_queries_##ISA(const uint8_t* q, int64_t n, void* out) {                         \
-    convert_queries_##FORMAT __VA_ARGS__(q, n, out);                                                  \
+NVFP4_TARGET_AVX512 void decode_avx512(const uint8_t* codes, int64_t n, void* out_buffer) {
+  float* out = static_cast<float*>(out_buffer);
+  const __m512 undo_bias = _mm512_set1_ps(256.0f);
+  int64_t e = 0;
+  for (; e + TILE <= n; e += TILE) {
+    const __m256i halves = halves_of_codes(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + e)));
+    _mm512_storeu_ps(out + e, _mm512_mul_ps(_mm512_cvtph_ps(halves), undo_bias));
   }
-NVFP4_CONVERT_KERNELS(baseline, , f32, <false>)
-#if NVFP4_X86
-NVFP4_CONVERT_KERNELS(avx512_bf16_generic, NVFP4_TARGET_AVX512_BF16, bf16)
-NVFP4_CONVERT_KERNELS(avx512, NVFP4_TARGET_AVX512, f32, <true>)
-NVFP4_CONVERT_KERNELS(avx2, NVFP4_TARGET_AVX2, f32, <false>)
-#endif
-#undef NVFP4_CONVERT_KERNELS
+  for (; e < n; ++e) out[e] = e4m3_decode(codes[e]);
+}
 
-#if NVFP4_X86
-// AVX-512 BF16 key tiles by table: 32 codes at a time become bf16 through two 64-entry word lookups, and 16×16
-// transposes of 32-bit pairs put them in place (a third of the instructions of the generic path).
+// AVX-512 BF16: 32 codes at a time become bf16 through two 64-entry word lookups.
 struct Bf16OfE4m3 {
   alignas(64) uint16_t magnitude[128];  // bf16 bits of the E4M3 codes 0..127 (quant.h's decode, exact)
   Bf16OfE4m3() {
-    for (int code = 0; code < 128; ++code) magnitude[code] = bf16_bits(e4m3_decode(static_cast<uint8_t>(code)));
+    for (int code = 0; code < 128; ++code)
+      magnitude[code] = static_cast<uint16_t>(float_bits(e4m3_decode(static_cast<uint8_t>(code))) >> 16);
   }
 };
 const Bf16OfE4m3 BF16_OF_E4M3;
 
-// The bf16 bits of the E4M3 codes in the low bytes of 32 16-bit lanes.
-NVFP4_TARGET_AVX512_BF16 NVFP4_INLINE __m512i bf16_of_codes(__m512i codes, const __m512i (&table)[4]) {
-  const __m512i low = _mm512_permutex2var_epi16(table[0], codes, table[1]);   // index: the code's low 6 bits
-  const __m512i high = _mm512_permutex2var_epi16(table[2], codes, table[3]);  // magnitudes 64..127
-  const __m512i magnitude = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(codes, _mm512_set1_epi16(0x40)), low, high);
-  // ternary-logic 0xF8: a | b & c, the sign bit 7 moved to bit 15
-  return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(codes, 8), _mm512_set1_epi16(-0x8000), 0xF8);
-}
+struct Bf16Lookup {
+  __m512i table[4];
+  NVFP4_TARGET_AVX512_BF16 NVFP4_INLINE Bf16Lookup() {
+    for (int i = 0; i < 4; ++i) table[i] = _mm512_load_si512(BF16_OF_E4M3.magnitude + 32 * i);
+  }
+  // The bf16 bits of the 32 codes at p, in 16-bit lanes.
+  NVFP4_TARGET_AVX512_BF16 NVFP4_INLINE __m512i operator()(const uint8_t* p) const {
+    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i low = _mm512_permutex2var_epi16(table[0], codes, table[1]);   // index: the code's low 6 bits
+    const __m512i high = _mm512_permutex2var_epi16(table[2], codes, table[3]);  // magnitudes 64..127
+    const __m512i magnitude =
+        _mm512_mask_blend_epi16(_mm512_test_epi16_mask(codes, _mm512_set1_epi16(0x40)), low, high);
+    // ternary-logic 0xF8: a | b & c, the sign (bit 7) moved to bit 15
+    return _mm512_ternarylogic_epi32(magnitude, _mm512_slli_epi16(codes, 8), _mm512_set1_epi16(-0x8000), 0xF8);
+  }
+};
 
+// Needs head_dim % 32 == 0 (LogitsKernels::get): each key's 32 dimensions become 16 pairs in one lookup, and
+// 16×16 transposes of 32-bit pairs put them in place.
 NVFP4_TARGET_AVX512_BF16 void convert_keys_avx512_bf16(const TileKeys& keys, const TileShape& s, void* tile_out,
                                                        float* scales) {
-  if (s.head_dim % 32 != 0) return convert_keys_avx512_bf16_generic(keys, s, tile_out, scales);
   auto* tile = static_cast<uint8_t*>(tile_out);
-  __m512i table[4];
-  for (int i = 0; i < 4; ++i) table[i] = _mm512_load_si512(BF16_OF_E4M3.magnitude + 32 * i);
+  const Bf16Lookup bf16;
   for (int64_t d0 = 0; d0 < s.head_dim; d0 += 32) {
     simd::u32x16 pairs[TILE];  // pairs[j]: key j's 16 bf16 pairs of dimensions d0..d0+31
-    for (int j = 0; j < TILE; ++j) {
-      const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys.values[j] + d0)));
-      pairs[j] = __builtin_bit_cast(simd::u32x16, bf16_of_codes(codes, table));
-    }
+    for (int j = 0; j < TILE; ++j) pairs[j] = __builtin_bit_cast(simd::u32x16, bf16(keys.values[j] + d0));
     transpose16(pairs);  // pairs[i]: pair i of the 16 keys
     for (int i = 0; i < TILE; ++i) std::memcpy(tile + (d0 / 2 + i) * TILE * 4, &pairs[i], sizeof pairs[i]);
   }
   gather_scales(keys, s, scales);
 }
 
-NVFP4_TARGET_AVX512_BF16 void convert_queries_avx512_bf16(const uint8_t* q, int64_t n, void* out_buffer) {
+NVFP4_TARGET_AVX512_BF16 void decode_avx512_bf16(const uint8_t* codes, int64_t n, void* out_buffer) {
   auto* out = static_cast<uint8_t*>(out_buffer);
-  __m512i table[4];
-  for (int i = 0; i < 4; ++i) table[i] = _mm512_load_si512(BF16_OF_E4M3.magnitude + 32 * i);
-  int64_t e = 0;
-  for (; e + 32 <= n; e += 32) {
-    const __m512i codes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + e)));
-    _mm512_storeu_si512(out + 2 * e, bf16_of_codes(codes, table));
-  }
-  convert_queries_avx512_bf16_generic(q + e, n - e, out + 2 * e);
+  const Bf16Lookup bf16;
+  for (int64_t e = 0; e < n; e += 32) _mm512_storeu_si512(out + 2 * e, bf16(codes + e));  // n: heads · head_dim
+}
+#endif
+
+void convert_keys_baseline(const TileKeys& keys, const TileShape& s, void* tile, float* scales) {
+  convert_keys_f32<decode_baseline>(keys, s, tile, scales);
+}
+#if NVFP4_X86
+NVFP4_TARGET_AVX2 void convert_keys_avx2(const TileKeys& keys, const TileShape& s, void* tile, float* scales) {
+  convert_keys_f32<decode_avx2>(keys, s, tile, scales);
+}
+NVFP4_TARGET_AVX512 void convert_keys_avx512(const TileKeys& keys, const TileShape& s, void* tile, float* scales) {
+  convert_keys_f32<decode_avx512>(keys, s, tile, scales);
 }
 #endif
 
@@ -262,36 +240,45 @@ NVFP4_TARGET_AVX512_BF16 void convert_queries_avx512_bf16(const uint8_t* q, int6
 // q: the row's [heads][head_dim] floats, w: its heads' weights. Each adds Σ_h w[h] · relu(Σ_b s_b · dot_b)
 // over HEADS heads to the running logits, heads in order.
 
-NVFP4_INLINE simd::f32x16 relu(simd::f32x16 x) { return x < 0.0f ? simd::f32x16{} : x; }  // NaN stays NaN
+// Baseline x86-64 (SSE2, no FMA; or any 128-bit SIMD): a quarter of the tile (4 keys) at a time, in 4-lane vectors
+// that stay in registers; multiply, then add.
+typedef float f32x4 __attribute__((vector_size(16)));
 
-// Baseline x86-64 (SSE2, no FMA): multiply, then add.
+NVFP4_INLINE f32x4 load4(const float* p) {
+  f32x4 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 template <int HEADS>
-NVFP4_INLINE simd::f32x16 add_heads_generic(const float* q, const float* w, const TileShape& s, const float* tile,
-                                            const float* scales, simd::f32x16 logit) {
-  simd::f32x16 score[HEADS] = {};
-  for (int64_t b = 0; b < s.num_scales; ++b) {
-    const int64_t first = b * s.quant_block_size;
-    simd::f32x16 dot[HEADS] = {};
-    for (int64_t d = first; d < first + s.quant_block_size; ++d) {
-      const simd::f32x16 k = simd::load16(tile + d * TILE);
-      for (int i = 0; i < HEADS; ++i) dot[i] += q[i * s.head_dim + d] * k;
+NVFP4_INLINE void add_heads_generic(const float* q, const float* w, const TileShape& s, const float* tile,
+                                    const float* scales, float* logit) {
+  for (int quarter = 0; quarter < TILE; quarter += 4) {
+    f32x4 score[HEADS] = {};
+    for (int64_t b = 0; b < s.num_scales; ++b) {
+      const int64_t first = b * s.quant_block_size;
+      f32x4 dot[HEADS] = {};
+      for (int64_t d = first; d < first + s.quant_block_size; ++d) {
+        const f32x4 k = load4(tile + d * TILE + quarter);
+        for (int i = 0; i < HEADS; ++i) dot[i] += q[i * s.head_dim + d] * k;
+      }
+      const f32x4 scale = load4(scales + b * TILE + quarter);
+      for (int i = 0; i < HEADS; ++i) score[i] += dot[i] * scale;
     }
-    const simd::f32x16 scale = simd::load16(scales + b * TILE);
-    for (int i = 0; i < HEADS; ++i) score[i] += dot[i] * scale;
+    f32x4 sum = load4(logit + quarter);
+    for (int i = 0; i < HEADS; ++i) sum += (score[i] < 0.0f ? f32x4{} : score[i]) * w[i];  // relu; NaN stays NaN
+    std::memcpy(logit + quarter, &sum, sizeof sum);
   }
-  for (int i = 0; i < HEADS; ++i) logit += relu(score[i]) * w[i];
-  return logit;
 }
 
 void tile_logits_baseline(const void* q_row, const float* w, const TileShape& s, const void* tile_in,
                           const float* scales, float* out) {
   const auto* q = static_cast<const float*>(q_row);
   const auto* tile = static_cast<const float*>(tile_in);
-  simd::f32x16 logit = {};
+  std::fill(out, out + TILE, 0.0f);
   int64_t h = 0;
-  for (; h + 4 <= s.heads; h += 4) logit = add_heads_generic<4>(q + h * s.head_dim, w + h, s, tile, scales, logit);
-  for (; h < s.heads; ++h) logit = add_heads_generic<1>(q + h * s.head_dim, w + h, s, tile, scales, logit);
-  simd::store16(logit, out);
+  for (; h + 4 <= s.heads; h += 4) add_heads_generic<4>(q + h * s.head_dim, w + h, s, tile, scales, out);
+  for (; h < s.heads; ++h) add_heads_generic<1>(q + h * s.head_dim, w + h, s, tile, scales, out);
 }
 
 #if NVFP4_X86
@@ -416,18 +403,19 @@ NVFP4_TARGET_AVX512_BF16 void tile_logits_avx512_bf16(const void* q_row, const f
 
 struct LogitsKernels {
   decltype(&convert_keys_baseline) convert_keys;
-  decltype(&convert_queries_baseline) convert_queries;
+  decltype(&decode_baseline) convert_queries;
   decltype(&tile_logits_baseline) tile_logits;
 
   static LogitsKernels get(const TileShape& s) {
 #if NVFP4_X86
-    // The BF16 dot product multiplies pairs of dimensions, which must not straddle two quant blocks.
-    if (cpu_isa() == Isa::Avx512Bf16 && s.quant_block_size % 2 == 0)
-      return {convert_keys_avx512_bf16, convert_queries_avx512_bf16, tile_logits_avx512_bf16};
-    if (cpu_isa() >= Isa::Avx512) return {convert_keys_avx512, convert_queries_avx512, tile_logits_avx512};
-    if (cpu_isa() == Isa::Avx2) return {convert_keys_avx2, convert_queries_avx2, tile_logits_avx2};
+    // The BF16 dot product multiplies pairs of dimensions, which must not straddle two quant blocks; its key
+    // conversion takes 32 dimensions at a time.
+    if (cpu_isa() == Isa::Avx512Bf16 && s.quant_block_size % 2 == 0 && s.head_dim % 32 == 0)
+      return {convert_keys_avx512_bf16, decode_avx512_bf16, tile_logits_avx512_bf16};
+    if (cpu_isa() >= Isa::Avx512) return {convert_keys_avx512, decode_avx512, tile_logits_avx512};
+    if (cpu_isa() == Isa::Avx2) return {convert_keys_avx2, decode_avx2, tile_logits_avx2};
 #endif
-    return {convert_keys_baseline, convert_queries_baseline, tile_logits_baseline};
+    return {convert_keys_baseline, decode_baseline, tile_logits_baseline};
   }
 };
 
