@@ -3,13 +3,13 @@
 //
 // Keys go 16 at a time (a tile, one vector lane per key): their FP8 bytes are transposed and converted once into a
 // float tile [head_dim][16], which every head and every query row that sees those keys reuses. Per head, q[h][d]
-// broadcast times tile row d accumulates the 16 dot products with fused multiply-adds; 8 heads (AVX-512) or 4
-// (AVX2, baseline) at a time keep their accumulators in registers. Where the CPU has AVX-512 BF16 (Zen 4), the
-// tiles hold the keys as exact bfloat16 pairs and a dot-product instruction does two multiply-adds a lane. The
-// work is split into tasks of (query rows, 512 keys); each output comes from one tile call summing in a fixed
-// order (d, quant block, head), so the results do not depend on the number of threads. Like cpu_ops.cpp, the
-// kernels exist as AVX-512 (+ BF16), AVX2 and baseline x86-64 variants; VLLM_NVFP4_CPU_ISA=avx512|avx2|baseline
-// caps the choice (avx512 without the BF16 dot product).
+// broadcast times tile row d accumulates the 16 dot products with fused multiply-adds; 8 heads (AVX-512), 4 heads
+// (AVX2) or 4 heads × 4 keys (baseline) at a time keep their accumulators in registers. Where the CPU has AVX-512
+// BF16 (Zen 4), the tiles hold the keys as exact bfloat16 pairs and a dot-product instruction does two
+// multiply-adds a lane. The work is split into tasks of (query rows, 512 keys); each output comes from one tile
+// call summing in a fixed order (d, quant block, head), so the results do not depend on the number of threads.
+// Like cpu_ops.cpp, the kernels exist as AVX-512 (+ BF16), AVX2 and baseline x86-64 variants;
+// VLLM_NVFP4_CPU_ISA=avx512|avx2|baseline caps the choice (avx512: without the BF16 dot product).
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 
@@ -38,8 +38,10 @@ namespace {
 #define NVFP4_INLINE inline __attribute__((always_inline))
 
 constexpr int TILE = 16;                // keys a tile holds, one per vector lane
-constexpr int64_t TILES_PER_TASK = 32;  // 512 keys: a task's float tiles (256 KB at head_dim 128) stay in L2
-constexpr int64_t ROWS_PER_TASK = 16;   // prefill rows that share a task's converted tiles
+// 512 keys a task: its float tiles (256 KB at head_dim 128) stay in L2. 16 prefill rows share them. (32 rows or
+// 1024 keys: the same times within noise.)
+constexpr int64_t TILES_PER_TASK = 32;
+constexpr int64_t ROWS_PER_TASK = 16;
 // Below this many multiply-adds a call runs on one thread (~0.1 ms of work: waking the team costs more).
 constexpr int64_t PARALLEL_MIN_MACS = int64_t{1} << 22;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -421,7 +423,7 @@ struct LogitsKernels {
 
 // --- tasks: (query rows, up to TILES_PER_TASK tiles of keys) ------------------------------------------------
 
-// One thread's floats: a query row, and the tiles of the task's keys.
+// One thread's operands (floats, or bf16 in the same storage): a query row, and the tiles of the task's keys.
 struct Scratch {
   TileShape shape;
   std::vector<float> q, tiles, scales;
