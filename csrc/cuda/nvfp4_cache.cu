@@ -185,15 +185,10 @@ __global__ void __launch_bounds__(THREADS, 8) gather_nvfp4_kv_cache_kernel(
   const int64_t first = static_cast<int64_t>(blockIdx.x) * rows_here;
   find_row_sources(rows, rows_here, first, cu_seq_lens, batch, block_table, table_stride,
                    static_cast<int>(layout.block_size), num_blocks, block_stride, num_rows);
-  // This thread's rows: threadIdx.z + u * blockDim.z of the CTA's.
-  int64_t sides[ROWS];  // byte offset of the row's block side in the caches, or -1: nothing to gather
-  int offsets[ROWS];    // the row's token offset inside its block
+  // This thread's rows: threadIdx.z + u * blockDim.z of the CTA's (block_byte: of the row's block side).
+  RowSource sources[ROWS];
 #pragma unroll
-  for (int u = 0; u < ROWS; ++u) {
-    const RowSource source = rows[threadIdx.z + u * blockDim.z];
-    sides[u] = source.block_byte;
-    offsets[u] = source.offset;
-  }
+  for (int u = 0; u < ROWS; ++u) sources[u] = rows[threadIdx.z + u * blockDim.z];
   const int g = threadIdx.x >> 1, half = threadIdx.x & 1;
   const float kg = __ldg(k_scale), vg = __ldg(v_scale);
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
@@ -202,18 +197,18 @@ __global__ void __launch_bounds__(THREADS, 8) gather_nvfp4_kv_cache_kernel(
     uint8_t k_sf[ROWS], v_sf[ROWS];
 #pragma unroll
     for (int u = 0; u < ROWS; ++u) {  // every load first, then the decodes
-      if (sides[u] < 0) continue;
-      const uint8_t* k_side = key_cache + sides[u];
-      const uint8_t* v_side = value_cache + sides[u];
-      const int data = at.data_at(offsets[u]) + half * 4;
+      if (sources[u].block_byte < 0) continue;
+      const uint8_t* k_side = key_cache + sources[u].block_byte;
+      const uint8_t* v_side = value_cache + sources[u].block_byte;
+      const int data = at.data_at(sources[u].offset) + half * 4;
       k_codes[u] = load_codes<kVector>(k_side + data);
       v_codes[u] = load_codes<kVector>(v_side + data);
-      k_sf[u] = __ldg(k_side + at.k_scale_at(offsets[u]));
-      v_sf[u] = __ldg(v_side + at.v_scale_at(offsets[u]));
+      k_sf[u] = __ldg(k_side + at.k_scale_at(sources[u].offset));
+      v_sf[u] = __ldg(v_side + at.v_scale_at(sources[u].offset));
     }
 #pragma unroll
     for (int u = 0; u < ROWS; ++u) {
-      if (sides[u] < 0) continue;
+      if (sources[u].block_byte < 0) continue;
       const int64_t row = first + threadIdx.z + u * blockDim.z, column = g * GROUP + half * 8;
       store_decoded<kVector>(k_codes[u], k_sf[u], kg, lut, out_key + row * key_row_stride + head * key_head_stride + column);
       store_decoded<kVector>(v_codes[u], v_sf[u], vg, lut,
