@@ -151,14 +151,9 @@ __global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kerne
   find_row_sources(rows, rows_here, first, cu_seq_lens, batch, block_table, table_stride,
                    static_cast<int>(layout.block_size), num_blocks, block_stride, num_rows);
   // This thread's rows: threadIdx.y + u * blockDim.y of the CTA's (a warp's lanes cover consecutive rows).
-  int64_t bases[ROWS];  // byte offset of the row's block in the cache, or -1: nothing to gather
-  int offsets[ROWS];    // the row's token offset inside its block
+  RowSource sources[ROWS];
 #pragma unroll
-  for (int u = 0; u < ROWS; ++u) {
-    const RowSource source = rows[threadIdx.y + u * blockDim.y];
-    bases[u] = source.block_byte;
-    offsets[u] = source.offset;
-  }
+  for (int u = 0; u < ROWS; ++u) sources[u] = rows[threadIdx.y + u * blockDim.y];
   if constexpr (kVector) {
     if (layout.head_dim == blockDim.x * CHUNK && layout.scale_bytes() == 4) {
       // vLLM's 128 values + one float32 scale: every 16-byte load of the rows issued before any store.
@@ -166,14 +161,15 @@ __global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kerne
       uint32_t scale[ROWS];
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
-        if (bases[u] < 0) continue;
-        const uint8_t* base = kv_cache + bases[u];
-        chunk[u] = __ldg(reinterpret_cast<const uint4*>(base + layout.value_offset(offsets[u])) + threadIdx.x);
-        if (threadIdx.x == 0) scale[u] = __ldg(reinterpret_cast<const uint32_t*>(base + layout.scale_offset(offsets[u])));
+        if (sources[u].block_byte < 0) continue;
+        const uint8_t* base = kv_cache + sources[u].block_byte;
+        chunk[u] = __ldg(reinterpret_cast<const uint4*>(base + layout.value_offset(sources[u].offset)) + threadIdx.x);
+        if (threadIdx.x == 0)
+          scale[u] = __ldg(reinterpret_cast<const uint32_t*>(base + layout.scale_offset(sources[u].offset)));
       }
 #pragma unroll
       for (int u = 0; u < ROWS; ++u) {
-        if (bases[u] < 0) continue;
+        if (sources[u].block_byte < 0) continue;
         const int64_t row = first + threadIdx.y + u * blockDim.y;
         reinterpret_cast<uint4*>(dst_k + row * k_row_stride)[threadIdx.x] = chunk[u];
         if (threadIdx.x == 0) *reinterpret_cast<uint32_t*>(dst_scale + row * scale_row_stride) = scale[u];
@@ -183,12 +179,12 @@ __global__ void __launch_bounds__(THREADS) cp_gather_indexer_k_quant_cache_kerne
   }
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) {
-    if (bases[u] < 0) continue;
+    if (sources[u].block_byte < 0) continue;
     const int64_t row = first + threadIdx.y + u * blockDim.y;
-    const uint8_t* base = kv_cache + bases[u];
-    copy_part<kVector>(base + layout.value_offset(offsets[u]), dst_k + row * k_row_stride, layout.head_dim,
+    const uint8_t* base = kv_cache + sources[u].block_byte;
+    copy_part<kVector>(base + layout.value_offset(sources[u].offset), dst_k + row * k_row_stride, layout.head_dim,
                        threadIdx.x, blockDim.x);
-    copy_part<false>(base + layout.scale_offset(offsets[u]), dst_scale + row * scale_row_stride,
+    copy_part<false>(base + layout.scale_offset(sources[u].offset), dst_scale + row * scale_row_stride,
                      layout.scale_bytes(), threadIdx.x, blockDim.x);
   }
 }
