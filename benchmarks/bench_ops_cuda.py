@@ -7,7 +7,9 @@ Shapes are the issue's targets (bf16, head 128, 8 KV heads, NVFP4 page 16, index
 captured in a CUDA graph of several calls and the graph replayed; the median replay time per call is
 reported with the effective bandwidth: the bytes the op must read plus the bytes it must write, over that
 time. Slots and blocks are random permutations; inputs that fit in the 60 MB L2 rotate over several copies.
-The torch reference runs eagerly (it syncs on the host) as the speed floor.
+The torch reference runs eagerly (it syncs on the host) as the speed floor. `--settle-ms MS` adds a second
+reading of every graph-timed row, after MS ms of further replays (RESULTS.md, fifth pass: the first replays of
+a case can differ from later ones by several percent, in both directions, depending on what ran before).
 
 FlashInfer (`--flashinfer`) writes the same inputs into the same page bytes (strided views of the
 [DATA | SCALES] sides); its bytes are compared with ours and every differing nibble is classified.
@@ -32,8 +34,8 @@ INDEXER = IndexerCacheLayout(128, 64, 128)
 DEVICE = torch.device("cuda")
 
 
-def graph_ms(calls: list, repeat: int = 4, reps: int = 20) -> float:
-    """Median time of one call, from replays of a graph holding `repeat` rounds of `calls` (rotating inputs)."""
+def capture(calls: list, repeat: int = 4) -> torch.cuda.CUDAGraph:
+    """A graph holding `repeat` rounds of `calls` (rotating inputs), captured after a warm-up and replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -46,7 +48,25 @@ def graph_ms(calls: list, repeat: int = 4, reps: int = 20) -> float:
             for fn in calls:
                 fn()
     graph.replay()
-    return median_ms(graph.replay, reps) / (repeat * len(calls))
+    return graph
+
+
+def graph_ms(calls: list, repeat: int = 4, reps: int = 20) -> float:
+    """Median time of one call, from replays of a graph holding `repeat` rounds of `calls` (rotating inputs)."""
+    return median_ms(capture(calls, repeat).replay, reps) / (repeat * len(calls))
+
+
+def replay_for(graph: torch.cuda.CUDAGraph, ms: float):
+    """Replays `graph` until `ms` milliseconds of device time have passed."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(8):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) >= ms:
+            return
 
 
 def eager_ms(fn, reps: int = 3) -> float:
@@ -63,21 +83,47 @@ def scalar(x: float) -> torch.Tensor:
 
 
 class Results:
-    def __init__(self):
-        self.rows: list[tuple[str, str, float, float]] = []  # (case, implementation, ms, bytes)
+    """The table's rows. With `settle_ms`, each graph-timed row is timed twice: over the replays right after
+    capture (the usual reading) and again after `settle_ms` of further replays of the same graph."""
 
-    def add(self, case: str, impl: str, ms: float, nbytes: float):
-        self.rows.append((case, impl, ms, nbytes))
-        print(f"{case:<48} {impl:<22} {ms * 1e3:10.2f} us {nbytes / ms / 1e9:8.3f} TB/s", flush=True)
+    def __init__(self, settle_ms: float = 0.0):
+        self.settle_ms = settle_ms
+        self.rows: list[tuple[str, str, float, float, float | None]] = []  # (case, impl, ms, bytes, settled ms)
+
+    def add(self, case: str, impl: str, ms: float, nbytes: float, settled_ms: float | None = None):
+        self.rows.append((case, impl, ms, nbytes, settled_ms))
+        settled = f"  settled {settled_ms * 1e3:10.2f} us" if settled_ms is not None else ""
+        print(f"{case:<48} {impl:<22} {ms * 1e3:10.2f} us {nbytes / ms / 1e9:8.3f} TB/s{settled}", flush=True)
+
+    def add_graph(self, case: str, impl: str, calls: list, nbytes: float, repeat: int = 4, reps: int = 20) -> float:
+        """Times `calls` by graph replay (see capture), adds the row and returns its time (ms)."""
+        graph = capture(calls, repeat)
+        per_call = repeat * len(calls)
+        ms = median_ms(graph.replay, reps) / per_call
+        settled_ms = None
+        if self.settle_ms:
+            replay_for(graph, self.settle_ms)
+            settled_ms = median_ms(graph.replay, reps) / per_call
+        self.add(case, impl, ms, nbytes, settled_ms)
+        return ms
 
     def table(self, copy_tbs: float) -> str:
+        settled = any(row[4] is not None for row in self.rows)
+        extra = f" after {self.settle_ms:g} ms of replays | effective |" if settled else ""
         lines = [f"Same-run device-to-device copy: {copy_tbs:.2f} TB/s (bytes read + written).", "",
-                 "| case | implementation | median time | effective | of copy |", "| --- | --- | --- | --- | --- |"]
-        for case, impl, ms, nbytes in self.rows:
+                 "| case | implementation | median time | effective | of copy |" + extra,
+                 "| --- | --- | --- | --- | --- |" + (" --- | --- |" if settled else "")]
+        for case, impl, ms, nbytes, settled_ms in self.rows:
             tbs = nbytes / ms / 1e9
-            time = f"{ms * 1e3:.1f} µs" if ms < 1 else f"{ms:.3f} ms"
-            lines.append(f"| {case} | {impl} | {time} | {tbs:.2f} TB/s | {tbs / copy_tbs:.0%} |")
+            line = f"| {case} | {impl} | {duration(ms)} | {tbs:.2f} TB/s | {tbs / copy_tbs:.0%} |"
+            if settled:
+                line += f" {duration(settled_ms)} | {nbytes / settled_ms / 1e9:.2f} TB/s |" if settled_ms else " | |"
+            lines.append(line)
         return "\n".join(lines)
+
+
+def duration(ms: float) -> str:
+    return f"{ms * 1e3:.1f} µs" if ms < 1 else f"{ms:.3f} ms"
 
 
 def bench_copy(results: Results) -> float:
@@ -87,10 +133,10 @@ def bench_copy(results: Results) -> float:
     src32, dst32 = src.view(torch.int32), dst.view(torch.int32)
     memcpy_ms = eager_ms(lambda: dst.copy_(src), reps=10)
     results.add("copy 2 GiB", "cudaMemcpy (eager)", memcpy_ms, 2 * src.numel())
-    kernel_ms = graph_ms([lambda: torch.bitwise_or(src32, 0, out=dst32)], repeat=2)
-    results.add("copy 2 GiB", "torch elementwise kernel", kernel_ms, 2 * src.numel())
+    kernel_ms = results.add_graph("copy 2 GiB", "torch elementwise kernel",
+                                  [lambda: torch.bitwise_or(src32, 0, out=dst32)], 2 * src.numel(), repeat=2)
     # A write-only stream: the NVFP4 gather's bytes are 78% writes.
-    results.add("write 2 GiB", "torch fill_", graph_ms([lambda: dst32.fill_(7)], repeat=2), dst.numel())
+    results.add_graph("write 2 GiB", "torch fill_", [lambda: dst32.fill_(7)], dst.numel(), repeat=2)
     return 2 * src.numel() / min(memcpy_ms, kernel_ms) / 1e9
 
 
@@ -123,7 +169,7 @@ def bench_store(results: Results, flashinfer, num_tokens: int, num_slots: int, h
         ops.reshape_and_cache_nvfp4(key, value, cache[:, 0], cache[:, 1], slots, k_scale, v_scale, False)
 
     repeat = 4 if num_tokens >= 4096 else 50  # a decode step is a few µs: average over more calls per replay
-    results.add(case, "plugin CUDA", graph_ms([ours], repeat), nbytes)
+    results.add_graph(case, "plugin CUDA", [ours], nbytes, repeat)
     if flashinfer is not None:
         (k_data, k_sf), (v_data, v_sf) = (nvfp4_flashinfer_views(cache[:, s], layout) for s in (0, 1))
         layout_name = "HND" if hnd else "NHD"
@@ -132,7 +178,7 @@ def bench_store(results: Results, flashinfer, num_tokens: int, num_slots: int, h
             flashinfer.nvfp4_quantize_append_paged_kv_cache_with_slot_mapping(
                 key, value, slots, (k_data, v_data), (k_sf, v_sf), k_scale, v_scale, layout_name)
 
-        results.add(case, "FlashInfer writer", graph_ms([theirs], repeat), nbytes)
+        results.add_graph(case, "FlashInfer writer", [theirs], nbytes, repeat)
     if with_reference:
         def torch_reference():
             reference.reshape_and_cache_nvfp4(key, value, cache[:, 0], cache[:, 1], slots, k_scale, v_scale, False)
@@ -155,7 +201,7 @@ def bench_gather(results: Results, seqs: int, seq_len: int):
     def ours():
         ops.gather_nvfp4_kv_cache(cache[:, 0], cache[:, 1], table, cu, k_scale, v_scale, False, out_key, out_value)
 
-    results.add(f"NVFP4 gather, {seqs} x {seq_len} tokens", "plugin CUDA", graph_ms([ours], repeat=2), nbytes)
+    results.add_graph(f"NVFP4 gather, {seqs} x {seq_len} tokens", "plugin CUDA", [ours], nbytes, repeat=2)
 
 
 def bench_indexer_store(results: Results, num_tokens: int, scale_fmt: str, sets: int = 4,
@@ -166,7 +212,7 @@ def bench_indexer_store(results: Results, num_tokens: int, scale_fmt: str, sets:
     nbytes = num_tokens * (INDEXER.head_dim * 2 + 8 + INDEXER.row_bytes)
     calls = [lambda k=k, c=c, s=s: ops.indexer_k_quant_and_cache(k, c, s, 128, scale_fmt) for k, c, s in inputs]
     case = f"indexer store, {num_tokens} x 128, {scale_fmt or 'float32'} scales"
-    results.add(case, "plugin CUDA", graph_ms(calls), nbytes)
+    results.add_graph(case, "plugin CUDA", calls, nbytes)
     if with_reference:
         k, c, s = inputs[0]
         results.add(case, "torch reference",
@@ -187,7 +233,7 @@ def bench_indexer_gather(results: Results, seqs: int, seq_len: int):
     def ours():
         ops.cp_gather_indexer_k_quant_cache(cache, dst_k, dst_scale, table, cu)
 
-    results.add(f"indexer gather, {seqs} x {seq_len} tokens", "plugin CUDA", graph_ms([ours]), nbytes)
+    results.add_graph(f"indexer gather, {seqs} x {seq_len} tokens", "plugin CUDA", [ours], nbytes)
 
 
 def compare_with_flashinfer(flashinfer, num_tokens: int = 8192) -> str:
@@ -241,7 +287,7 @@ def run_once_each():
     torch.cuda.synchronize()
 
 
-def report(with_flashinfer: bool, with_reference: bool) -> str:
+def report(with_flashinfer: bool, with_reference: bool, settle_ms: float = 0.0) -> str:
     """The markdown table of every target shape (and, with FlashInfer, the writers' byte comparison)."""
     flashinfer = None
     if with_flashinfer:
@@ -250,7 +296,7 @@ def report(with_flashinfer: bool, with_reference: bool) -> str:
     props = torch.cuda.get_device_properties(DEVICE)
     header = f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}"
     print(header)
-    results = Results()
+    results = Results(settle_ms)
     copy_tbs = bench_copy(results)
     bench_store(results, flashinfer, 262144, 262144, with_reference=with_reference)
     bench_store(results, flashinfer, 262144, 262144, whole_blocks=True)
@@ -275,10 +321,12 @@ def main():
     parser.add_argument("--flashinfer", action="store_true", help="time and compare FlashInfer's NVFP4 writer")
     parser.add_argument("--reference", action="store_true", help="also time the torch reference (eager)")
     parser.add_argument("--out", help="also write the markdown table to this file")
+    parser.add_argument("--settle-ms", type=float, default=0.0,
+                        help="also time each graph again after this many ms of further replays")
     args = parser.parse_args()
     if args.once:
         return run_once_each()
-    text = report(args.flashinfer, args.reference)
+    text = report(args.flashinfer, args.reference, args.settle_ms)
     print(text)
     if args.out:
         with open(args.out, "w") as f:
