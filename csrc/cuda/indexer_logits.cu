@@ -15,8 +15,9 @@
 // - indexer_mqa_logits (a prefill chunk's gathered keys): a CTA of 4 warp pairs, a pair a query row; the CTA
 //   stages the union of its 4 rows' ranges. Only 16-key tiles that meet a row's [ks, ke) are computed; the rest
 //   of the row is -inf.
-// - indexer_paged_mqa_logits (decode): a CTA of one warp pair owns one query row and a span of its columns (8
-//   CTAs an SM: 16 stages in flight); the stage loads look each key's block up in the block table.
+// - indexer_paged_mqa_logits (decode): a CTA of one warp pair owns one query row and a span of its columns (7
+//   CTAs an SM by shared memory: 14 stages in flight); the stage loads look each key's block up in the block
+//   table.
 // More than 64 heads: one launch per group of 64, each adding its heads' sum to the logits of the first.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
@@ -31,7 +32,7 @@
 namespace vllm_nvfp4::cuda {
 namespace {
 
-constexpr int HEAD_DIM = 128;   // bytes of one FP8 row: four k-steps of 32
+constexpr int HEAD_DIM = 128;   // bytes of one FP8 row: eight k-steps of 16
 constexpr int TILE_KEYS = 16;   // keys of one MMA (its M dimension)
 constexpr int HEAD_GROUP = 64;  // heads one launch keeps in registers: 4 n8 tiles a warp, two warps a row
 constexpr float NEG_INF = -__builtin_huge_valf();
@@ -65,7 +66,7 @@ __device__ __forceinline__ int piece_offset(int b, int t) {
   return kBlockBytes * b + kBlockBytes / 4 * t;
 }
 
-// Lane t's piece of a 128-byte row as 8 words: words 2s and 2s + 1 feed k-step s (block s / (4 / kBlocks)).
+// Lane t's piece of a 128-byte row as 8 words: word s feeds k-step s, in quant block s / (8 / kBlocks).
 // `vector`: the row is 16-byte aligned (global memory; shared rows always are), else byte loads.
 template <int kBlocks, bool kGlobal>
 __device__ __forceinline__ void load_piece(const uint8_t* row, int t, bool vector, uint32_t (&w)[8]) {
@@ -191,7 +192,7 @@ __device__ __forceinline__ void store_logit(float* out, float value, bool visibl
 
 // A warp pair shares a query row, its two warps taking the two head halves.
 constexpr int PREFILL_PAIRS = 4;  // a CTA's rows: the stages serve 4 rows
-constexpr int DECODE_PAIRS = 1;   // a decode CTA (one row): small CTAs keep more stages in flight an SM
+constexpr int DECODE_WARPS = 2;   // a decode CTA is one pair (one row): small CTAs keep more stages in flight an SM
 constexpr int STAGE_KEYS = 64;            // keys a shared-memory stage: 4 tiles
 constexpr int STAGES = 3;                 // cp.async pipeline depth
 constexpr int KEY_PITCH = HEAD_DIM + 16;  // shared row stride: the 8 lanes of a 16-byte load phase hit 8 bank groups
@@ -393,12 +394,11 @@ __device__ __forceinline__ void stage_paged_keys(KeyStage<kBlocks>& stage, const
 
 // A CTA owns one query row and a span of its columns: one warp pair computing every tile of each stage.
 template <int kHeadTiles, int kBlocks>
-__global__ void __launch_bounds__(2 * DECODE_PAIRS * WARP, 8) indexer_paged_mqa_logits_kernel(
+__global__ void __launch_bounds__(DECODE_WARPS * WARP, 8) indexer_paged_mqa_logits_kernel(
     const uint8_t* __restrict__ q, int64_t q_row_stride, const float* __restrict__ weights, int64_t w_row_stride,
     int heads, bool vector_q, PagedCache cache, const int32_t* __restrict__ context_lens,
     const int32_t* __restrict__ block_table, int64_t table_stride, int next_n, float* __restrict__ logits,
     int64_t logits_stride, int columns, int span, bool accumulate) {
-  static_assert(DECODE_PAIRS == 1, "the pair is the CTA");
   __shared__ KeyStage<kBlocks> stages[STAGES];
   __shared__ float partial[2][2][STAGE_KEYS];  // [stage parity][warp][key]: each half's sums
   const int row = blockIdx.x, half = threadIdx.x / WARP, lane = threadIdx.x % WARP;
@@ -530,7 +530,7 @@ void indexer_paged_mqa_logits_cuda(const Tensor& q, const Tensor& kv_cache, cons
   const PagedCache cache{cache_bytes, kv_cache.stride(0), block_size,
                          (block_size & (block_size - 1)) == 0 ? __builtin_ctz(block_size) : -1,
                          aligned(cache_bytes, 16) && kv_cache.stride(0) % 16 == 0};
-  // Columns split so that about 32 CTAs an SM cover the rows (~4 waves of 8; at least 256 columns a CTA).
+  // Columns split so that about 32 CTAs an SM cover the rows (4–5 waves of the 7 that fit; at least 256 columns).
   int sms = 0;
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, q.get_device_index());
   const int64_t splits = std::max<int64_t>(1, (32 * static_cast<int64_t>(sms) + rows - 1) / rows);
@@ -541,7 +541,7 @@ void indexer_paged_mqa_logits_cuda(const Tensor& q, const Tensor& kv_cache, cons
     const int heads = static_cast<int>(std::min<int64_t>(HEAD_GROUP, shape.heads - h0));
     dispatch_tiles(heads, quant_block_size, [&](auto tiles, auto blocks) {
       indexer_paged_mqa_logits_kernel<decltype(tiles)::value, decltype(blocks)::value>
-          <<<grid, 2 * DECODE_PAIRS * WARP, 0, stream>>>(
+          <<<grid, DECODE_WARPS * WARP, 0, stream>>>(
               q_bytes + h0 * HEAD_DIM, shape.heads * HEAD_DIM, weights.const_data_ptr<float>() + h0, shape.heads,
               heads, aligned(q_bytes, 16), cache, context_lens.const_data_ptr<int32_t>(),
               block_table.const_data_ptr<int32_t>(), block_table.stride(0), static_cast<int>(shape.next_n),
