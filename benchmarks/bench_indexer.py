@@ -111,10 +111,11 @@ def main() -> None:
 
     g = torch.Generator(DEVICE).manual_seed(0)
     cache, table = filled_cache(g)
-    lines = [f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; same-run ceilings: SM copy "
-             f"{bandwidth / 1e12:.2f} TB/s, dense FP8 matmul (torch._scaled_mm 8192³) {fp8_flops / 1e12:.0f} TFLOP/s",
-             "", "| step | median ms | bandwidth floor ms | FLOP floor ms | floor / time | effective TB/s "
-             "| effective TFLOP/s |",
+    lines = [(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; same-run ceilings: SM copy "
+              f"{bandwidth / 1e12:.2f} TB/s, dense FP8 matmul (torch._scaled_mm 8192³) {fp8_flops / 1e12:.0f} "
+              "TFLOP/s"),
+             "", ("| step | median ms | bandwidth floor ms | FLOP floor ms | floor / time | effective TB/s "
+                  "| effective TFLOP/s |"),
              "| --- | --- | --- | --- | --- | --- | --- |"]
 
     # Decode: B × 1 token, each over its whole context.
@@ -142,7 +143,6 @@ def main() -> None:
                      decode_flops))
     lines.append(row("  decode top-k alone (graph)", graph_ms(lambda: core.topk_per_row(logits, TOPK, out)),
                      logits_bytes, 0))
-    del logits
 
     # Prefill: request 0's last QUERY tokens, keys gathered from its blocks.
     q, w = queries(g, QUERY)
@@ -173,8 +173,8 @@ def main() -> None:
                      visible_flops))
     lines.append(row("  gather op alone (graph)", graph_ms(lambda: gather(cache, dst_k, dst_scale, table[:1], cu)),
                      2 * CONTEXT * LAYOUT.row_bytes, 0))
-    lines += ["", f"Spot check against reference.py's float64 logits (max |error| / max |logit|): decode row 0 "
-              f"{decode_error:.1e}, prefill row {QUERY - 1} {prefill_error:.1e}"]
+    lines += ["", (f"Spot check against reference.py's float64 logits (max |error| / max |logit|): decode row 0 "
+                   f"{decode_error:.1e}, prefill row {QUERY - 1} {prefill_error:.1e}")]
     text = "\n".join(lines)
     print(text)
     if args.out:
