@@ -23,8 +23,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "checks.h"
 #include "cpu_simd.h"
@@ -423,16 +423,17 @@ struct LogitsKernels {
 
 // --- tasks: (query rows, up to TILES_PER_TASK tiles of keys) ------------------------------------------------
 
-// One thread's operands (floats, or bf16 in the same storage): a query row, and the tiles of the task's keys.
+// One thread's operands (floats, or bf16 in the same storage): a query row, and the tiles of a task's keys (at
+// most `tiles`). Left uninitialized: every part read was written first.
 struct Scratch {
   TileShape shape;
-  std::vector<float> q, tiles, scales;
+  std::unique_ptr<float[]> q, tiles, scales;
 
-  explicit Scratch(const TileShape& s)
-      : shape(s), q(s.heads * s.head_dim), tiles(TILES_PER_TASK * s.head_dim * TILE),
-        scales(TILES_PER_TASK * s.num_scales * TILE) {}
-  float* tile(int64_t t) { return tiles.data() + t * shape.head_dim * TILE; }
-  float* tile_scales(int64_t t) { return scales.data() + t * shape.num_scales * TILE; }
+  Scratch(const TileShape& s, int64_t tiles)
+      : shape(s), q(new float[s.heads * s.head_dim]), tiles(new float[tiles * s.head_dim * TILE]),
+        scales(new float[tiles * s.num_scales * TILE]) {}
+  float* tile(int64_t t) { return tiles.get() + t * shape.head_dim * TILE; }
+  float* tile_scales(int64_t t) { return scales.get() + t * shape.num_scales * TILE; }
 };
 
 // A task's keys [first, first + count) and the part of them [lo, hi) some row of the task sees.
@@ -470,7 +471,7 @@ void row_logits(const LogitsKernels& kernels, const KeyBlock& block, Scratch& sc
   const TileShape& s = scratch.shape;
   lo = std::max(lo, block.first);
   hi = std::min(hi, block.first + block.count);
-  if (lo < hi) kernels.convert_queries(q, s.heads * s.head_dim, scratch.q.data());
+  if (lo < hi) kernels.convert_queries(q, s.heads * s.head_dim, scratch.q.get());
   for (int64_t t = 0; t < block.tiles(); ++t) {
     const int64_t key0 = block.first + t * TILE, n = std::min<int64_t>(TILE, block.first + block.count - key0);
     float* out = row + key0;
@@ -479,7 +480,7 @@ void row_logits(const LogitsKernels& kernels, const KeyBlock& block, Scratch& sc
       continue;
     }
     alignas(64) float values[TILE];
-    kernels.tile_logits(scratch.q.data(), w, s, scratch.tile(t), scratch.tile_scales(t), values);
+    kernels.tile_logits(scratch.q.get(), w, s, scratch.tile(t), scratch.tile_scales(t), values);
     for (int64_t j = 0; j < n; ++j) out[j] = key0 + j >= lo && key0 + j < hi ? values[j] : NEG_INF;
   }
 }
@@ -512,7 +513,7 @@ void indexer_mqa_logits_cpu(const Tensor& q, const Tensor& k, const Tensor& k_sc
   };
 #pragma omp parallel if (rows * keys * q_row >= PARALLEL_MIN_MACS)
   {
-    Scratch scratch(s);
+    Scratch scratch(s, std::min(TILES_PER_TASK, (keys + TILE - 1) / TILE));
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < row_blocks * key_blocks; ++task) {
       const int64_t r0 = task / key_blocks * ROWS_PER_TASK, r1 = std::min(r0 + ROWS_PER_TASK, rows);
@@ -562,7 +563,7 @@ void indexer_paged_mqa_logits_cpu(const Tensor& q, const Tensor& kv_cache, const
   auto seen = [&](int64_t row) { return std::clamp<int64_t>(lens[row], 0, columns); };  // keys [0, seen)
 #pragma omp parallel if (batch * next_n * columns * q_row >= PARALLEL_MIN_MACS)
   {
-    Scratch scratch(s);
+    Scratch scratch(s, std::min(TILES_PER_TASK, (columns + TILE - 1) / TILE));
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < batch * key_blocks; ++task) {
       // The request's next_n query tokens share its pages: one conversion of the block's keys serves them all.
