@@ -242,9 +242,10 @@ NVFP4_TARGET_AVX512 void convert_keys_avx512(const TileKeys& keys, const TileSha
 // q: the row's [heads][head_dim] floats, w: its heads' weights. Each adds Σ_h w[h] · relu(Σ_b s_b · dot_b)
 // over HEADS heads to the running logits, heads in order.
 
-// Baseline x86-64 (SSE2, no FMA; or any 128-bit SIMD): a quarter of the tile (4 keys) at a time, in 4-lane vectors
-// that stay in registers; multiply, then add.
+// Baseline x86-64 (SSE2, no FMA; or any 128-bit SIMD): a tile row is four 4-lane vectors, which stay in registers
+// (GCC keeps 16-lane generic vectors in memory there); 2 heads × 4 vectors of accumulators; multiply, then add.
 typedef float f32x4 __attribute__((vector_size(16)));
+constexpr int QUARTERS = TILE / 4;
 
 NVFP4_INLINE f32x4 load4(const float* p) {
   f32x4 v;
@@ -254,33 +255,39 @@ NVFP4_INLINE f32x4 load4(const float* p) {
 
 template <int HEADS>
 NVFP4_INLINE void add_heads_generic(const float* q, const float* w, const TileShape& s, const float* tile,
-                                    const float* scales, float* logit) {
-  for (int quarter = 0; quarter < TILE; quarter += 4) {
-    f32x4 score[HEADS] = {};
-    for (int64_t b = 0; b < s.num_scales; ++b) {
-      const int64_t first = b * s.quant_block_size;
-      f32x4 dot[HEADS] = {};
-      for (int64_t d = first; d < first + s.quant_block_size; ++d) {
-        const f32x4 k = load4(tile + d * TILE + quarter);
-        for (int i = 0; i < HEADS; ++i) dot[i] += q[i * s.head_dim + d] * k;
+                                    const float* scales, f32x4 (&logit)[QUARTERS]) {
+  f32x4 score[HEADS][QUARTERS] = {};
+  for (int64_t b = 0; b < s.num_scales; ++b) {
+    const int64_t first = b * s.quant_block_size;
+    f32x4 dot[HEADS][QUARTERS] = {};
+    for (int64_t d = first; d < first + s.quant_block_size; ++d) {
+      f32x4 k[QUARTERS];
+      for (int r = 0; r < QUARTERS; ++r) k[r] = load4(tile + d * TILE + 4 * r);
+      for (int i = 0; i < HEADS; ++i) {
+        const float qv = q[i * s.head_dim + d];
+        const f32x4 qd = {qv, qv, qv, qv};
+        for (int r = 0; r < QUARTERS; ++r) dot[i][r] += qd * k[r];
       }
-      const f32x4 scale = load4(scales + b * TILE + quarter);
-      for (int i = 0; i < HEADS; ++i) score[i] += dot[i] * scale;
     }
-    f32x4 sum = load4(logit + quarter);
-    for (int i = 0; i < HEADS; ++i) sum += (score[i] < 0.0f ? f32x4{} : score[i]) * w[i];  // relu; NaN stays NaN
-    std::memcpy(logit + quarter, &sum, sizeof sum);
+    for (int r = 0; r < QUARTERS; ++r) {
+      const f32x4 scale = load4(scales + b * TILE + 4 * r);
+      for (int i = 0; i < HEADS; ++i) score[i][r] += dot[i][r] * scale;
+    }
   }
+  for (int i = 0; i < HEADS; ++i)
+    for (int r = 0; r < QUARTERS; ++r)  // relu (NaN stays NaN), × w
+      logit[r] += (score[i][r] < 0.0f ? f32x4{} : score[i][r]) * w[i];
 }
 
 void tile_logits_baseline(const void* q_row, const float* w, const TileShape& s, const void* tile_in,
                           const float* scales, float* out) {
   const auto* q = static_cast<const float*>(q_row);
   const auto* tile = static_cast<const float*>(tile_in);
-  std::fill(out, out + TILE, 0.0f);
+  f32x4 logit[QUARTERS] = {};
   int64_t h = 0;
-  for (; h + 4 <= s.heads; h += 4) add_heads_generic<4>(q + h * s.head_dim, w + h, s, tile, scales, out);
-  for (; h < s.heads; ++h) add_heads_generic<1>(q + h * s.head_dim, w + h, s, tile, scales, out);
+  for (; h + 2 <= s.heads; h += 2) add_heads_generic<2>(q + h * s.head_dim, w + h, s, tile, scales, logit);
+  for (; h < s.heads; ++h) add_heads_generic<1>(q + h * s.head_dim, w + h, s, tile, scales, logit);
+  std::memcpy(out, logit, sizeof logit);
 }
 
 #if NVFP4_X86
