@@ -4,7 +4,7 @@
 // Keys go 16 at a time (a tile, one vector lane per key): their FP8 bytes are transposed and converted once into a
 // float tile [head_dim][16], which every head and every query row that sees those keys reuses. Per head, q[h][d]
 // broadcast times tile row d accumulates the 16 dot products with fused multiply-adds; 8 heads (AVX-512), 4 heads
-// (AVX2) or 4 heads × 4 keys (baseline) at a time keep their accumulators in registers. Where the CPU has AVX-512
+// (AVX2) or 2 heads (baseline, no FMA) at a time keep their accumulators in registers. Where the CPU has AVX-512
 // BF16 (Zen 4), the tiles hold the keys as exact bfloat16 pairs and a dot-product instruction does two
 // multiply-adds a lane. The work is split into tasks of (query rows, 512 keys); each output comes from one tile
 // call summing in a fixed order (d, quant block, head), so the results do not depend on the number of threads.
