@@ -8,15 +8,10 @@
 // BF16 (Zen 4), the tiles hold the keys as exact bfloat16 pairs and a dot-product instruction does two
 // multiply-adds a lane. The work is split into tasks of (query rows, 512 keys); each output comes from one tile
 // call summing in a fixed order (d, quant block, head), so the results do not depend on the number of threads.
-// Like cpu_ops.cpp, the kernels exist as AVX-512 (+ BF16), AVX2 and baseline x86-64 variants;
+// Like cpu_ops.cpp, the kernels exist as AVX-512 (+ BF16), AVX2 and baseline x86-64 variants (cpu_isa.h);
 // VLLM_NVFP4_CPU_ISA=avx512|avx2|baseline caps the choice (avx512: without the BF16 dot product).
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define NVFP4_X86 1
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -27,6 +22,7 @@
 #include <string>
 
 #include "checks.h"
+#include "cpu_isa.h"
 #include "cpu_simd.h"
 #include "error.h"
 #include "layout.h"
@@ -55,37 +51,6 @@ struct TileKeys {
   const uint8_t* values[TILE];
   const uint8_t* scales[TILE];
 };
-
-// --- instruction-set variants (the same choice and override as cpu_ops.cpp) -------------------------------
-// Avx512Bf16: AVX-512 plus the BF16 dot product (Zen 4, Sapphire Rapids), which VLLM_NVFP4_CPU_ISA=avx512 leaves out.
-enum class Isa { Baseline, Avx2, Avx512, Avx512Bf16 };
-
-#if NVFP4_X86
-#define NVFP4_TARGET_AVX512_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
-#define NVFP4_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
-#define NVFP4_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
-
-Isa detect_isa() {
-  __builtin_cpu_init();
-  Isa isa = !__builtin_cpu_supports("x86-64-v4")  ? (__builtin_cpu_supports("x86-64-v3") ? Isa::Avx2 : Isa::Baseline)
-            : __builtin_cpu_supports("avx512bf16") ? Isa::Avx512Bf16
-                                                   : Isa::Avx512;
-  if (const char* cap = std::getenv("VLLM_NVFP4_CPU_ISA")) {
-    const std::string name(cap);
-    NVFP4_CHECK(name == "avx512" || name == "avx2" || name == "baseline",
-                "VLLM_NVFP4_CPU_ISA must be avx512, avx2 or baseline, got \"", name, "\"");
-    isa = std::min(isa, name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Baseline);
-  }
-  return isa;
-}
-#else
-Isa detect_isa() { return Isa::Baseline; }
-#endif
-
-Isa cpu_isa() {
-  static const Isa isa = detect_isa();
-  return isa;
-}
 
 // --- FP8 → the kernels' operands ----------------------------------------------------------------------
 // Float32 kernels: a key tile is floats [head_dim][16], a query row floats [heads][head_dim]. BF16 kernels: E4M3

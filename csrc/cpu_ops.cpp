@@ -8,11 +8,6 @@
 #include "error.h"
 #include <torch/headeronly/util/Half.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define NVFP4_X86 1
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <array>
 #include <cmath>
@@ -23,6 +18,7 @@
 #include <vector>
 
 #include "checks.h"
+#include "cpu_isa.h"
 #include "layout.h"
 #include "cpu_e2m1_avx512.h"
 #include "cpu_simd.h"
@@ -68,38 +64,6 @@ std::vector<int64_t> scale_deltas(const NVFP4PageLayout& layout, bool swizzled) 
     for (int64_t s = 0; s < layout.scale_dim(); ++s)
       delta[r * layout.scale_dim() + s] = layout.scale_offset(r, 0, s, swizzled) - layout.scale_offset(0, 0, 0, false);
   return delta;
-}
-
-// --- instruction-set variants --------------------------------------------------------------------
-// The row kernels are compiled for AVX-512, AVX2 and baseline x86-64 from the same source, and the best one
-// the CPU supports runs. VLLM_NVFP4_CPU_ISA=avx2|baseline caps the choice, so tests can check every variant.
-enum class Isa { Baseline, Avx2, Avx512 };
-
-#if NVFP4_X86
-#define NVFP4_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
-#define NVFP4_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
-
-Isa detect_isa() {
-  __builtin_cpu_init();
-  Isa isa = __builtin_cpu_supports("x86-64-v4") ? Isa::Avx512
-            : __builtin_cpu_supports("x86-64-v3") ? Isa::Avx2
-                                                  : Isa::Baseline;
-  if (const char* cap = std::getenv("VLLM_NVFP4_CPU_ISA")) {
-    const std::string name(cap);
-    NVFP4_CHECK(name == "avx512" || name == "avx2" || name == "baseline",
-                    "VLLM_NVFP4_CPU_ISA must be avx512, avx2 or baseline, got \"", name, "\"");
-    const Isa capped = name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Baseline;
-    isa = std::min(isa, capped);
-  }
-  return isa;
-}
-#else
-Isa detect_isa() { return Isa::Baseline; }
-#endif
-
-Isa cpu_isa() {
-  static const Isa isa = detect_isa();
-  return isa;
 }
 
 // --- NVFP4 quantization of whole groups, per instruction set --------------------------------------------
@@ -558,7 +522,7 @@ struct RowKernels {
 
   static RowKernels get() {
 #if NVFP4_X86
-    if (cpu_isa() == Isa::Avx512) return {store_token_avx512<T>, load_token_avx512<T>, indexer_store_token_avx512<T>};
+    if (cpu_isa() >= Isa::Avx512) return {store_token_avx512<T>, load_token_avx512<T>, indexer_store_token_avx512<T>};
     if (cpu_isa() == Isa::Avx2) return {store_token_avx2<T>, load_token_avx2<T>, indexer_store_token_avx2<T>};
 #endif
     return {store_token_baseline<T>, load_token_baseline<T>, indexer_store_token_baseline<T>};

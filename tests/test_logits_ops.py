@@ -7,7 +7,10 @@ between blocks and poisoned unused blocks (E4M3 NaN), and the block table holds 
 context, so a read of anything invisible shows too.
 """
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -242,3 +245,55 @@ def test_paged_block_ids_out_of_range_cpu():
     args["block_table"] = torch.tensor([[0, 4], [2, 99]], dtype=torch.int32)
     with pytest.raises(RuntimeError, match=r"indexer_paged_mqa_logits: block_table: entry \[0, 1\] = 4 is not a block"):
         ops.indexer_paged_mqa_logits(**args)
+
+
+# --- exactness, CPU variants and threads -------------------------------------------------------------------
+
+def test_every_fp8_code_is_read_exactly(device):
+    """Key d=0 holds each of the 256 E4M3 codes (scale 1, the rest 0); q = ±1 at d=0: the logits must be exactly
+    relu(±value), NaN for the NaN codes — a wrong entry in any FP8 conversion shows."""
+    values = torch.zeros(256, 128, dtype=torch.uint8)
+    values[:, 0] = torch.arange(256, dtype=torch.uint8)
+    scales = torch.ones(256, 1)
+    q = torch.zeros(2, 1, 128)
+    q[0, 0, 0], q[1, 0, 0] = 1, -1
+    q = q.to(FP8)
+    got = torch.empty(2, 256, device=device)
+    ops.indexer_mqa_logits(q.to(device), values.to(device), scales.to(device), torch.ones(2, 1, device=device),
+                           torch.zeros(2, dtype=torch.int32, device=device),
+                           torch.full((2,), 256, dtype=torch.int32, device=device), got)
+    code = values[:, 0].view(FP8).float()
+    want = torch.stack([code.relu(), (-code).relu()])
+    assert torch.equal(got.cpu().isnan(), want.isnan())
+    assert torch.equal(got.cpu().nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
+def test_lower_instruction_sets_match_reference(isa):
+    """This CPU runs the best variant (AVX-512 BF16 here); force each lower one through the same CPU cases."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "VLLM_NVFP4_CPU_ISA": isa}
+    cases = "(match_reference or unaligned or every_fp8_code) and not instruction_sets"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu", "-k", cases,
+                    "test_logits_ops.py", "test_logits_paths.py"], cwd=tests_dir, env=env, check=True, timeout=600)
+
+
+def test_cpu_logits_do_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(11)
+    values, scale_bytes = random_keys(g, 2048, 128, 128, "")
+    q, w = queries(g, (64,), 64, 128)
+    ks, ke = torch.zeros(64, dtype=torch.int32), torch.randint(1500, 2049, (64,), generator=g).int()
+    context_lens = torch.tensor([[2000], [1], [1500], [700]], dtype=torch.int32)
+    cache, table, pq, pw = paged_case(g, context_lens, 64, 128, 64, 2000, "cpu")
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            mqa, paged = torch.empty(64, 2048), torch.empty(4, 2000)
+            ops.indexer_mqa_logits(q, values, scale_bytes, w, ks, ke, mqa)
+            ops.indexer_paged_mqa_logits(pq, cache, pw, context_lens, table, 128, paged)
+            results.append((mqa, paged))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])

@@ -1,0 +1,48 @@
+// The CPU kernels' instruction-set variants. Row and tile kernels are compiled for AVX-512, AVX2 and baseline
+// x86-64 from the same source, and the best one the CPU supports runs. Avx512Bf16 adds the BF16 dot product
+// (Zen 4, Sapphire Rapids), which only the indexer logits use. VLLM_NVFP4_CPU_ISA=avx512|avx2|baseline caps the
+// choice (avx512 leaves the BF16 dot product out), so tests can check every variant.
+#pragma once
+
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
+#include "error.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define NVFP4_X86 1
+#include <immintrin.h>
+#define NVFP4_TARGET_AVX512_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
+#define NVFP4_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
+#define NVFP4_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
+#endif
+
+namespace vllm_nvfp4 {
+
+enum class Isa { Baseline, Avx2, Avx512, Avx512Bf16 };
+
+inline Isa detect_isa() {
+#if NVFP4_X86
+  __builtin_cpu_init();
+  Isa isa = !__builtin_cpu_supports("x86-64-v4")  ? (__builtin_cpu_supports("x86-64-v3") ? Isa::Avx2 : Isa::Baseline)
+            : __builtin_cpu_supports("avx512bf16") ? Isa::Avx512Bf16
+                                                   : Isa::Avx512;
+  if (const char* cap = std::getenv("VLLM_NVFP4_CPU_ISA")) {
+    const std::string name(cap);
+    NVFP4_CHECK(name == "avx512" || name == "avx2" || name == "baseline",
+                "VLLM_NVFP4_CPU_ISA must be avx512, avx2 or baseline, got \"", name, "\"");
+    isa = std::min(isa, name == "avx512" ? Isa::Avx512 : name == "avx2" ? Isa::Avx2 : Isa::Baseline);
+  }
+  return isa;
+#else
+  return Isa::Baseline;
+#endif
+}
+
+inline Isa cpu_isa() {
+  static const Isa isa = detect_isa();
+  return isa;
+}
+
+}  // namespace vllm_nvfp4
