@@ -48,4 +48,6 @@ if [ "${ENGINES:-1}" != 0 ]; then
 fi
 wait $tests
 tail -15 $LOGS/indexer_tests.log
-cp $LOGS/indexer_tests.log $LOGS/engine.md "$OUT/" 2>/dev/null
+cp $LOGS/indexer_tests.log "$OUT/"
+[ -f $LOGS/engine.md ] && cp $LOGS/engine.md "$OUT/"
+grep -q " passed" $OUT/indexer_tests.log && ! grep -q " failed" $OUT/indexer_tests.log

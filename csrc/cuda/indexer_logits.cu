@@ -53,6 +53,9 @@ __device__ __forceinline__ void mma_f16(float (&d)[4], uint32_t a0, uint32_t a1,
 #endif
 }
 
+// NaN stays NaN, as in torch's relu and the reference (fmaxf would turn it into 0).
+__device__ __forceinline__ float relu(float x) { return x < 0.0f ? 0.0f : x; }
+
 // The two E4M3 values in the low 16 bits as an fp16 pair (exact: fp16 holds every E4M3 value).
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t bytes) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bytes & 0xFFFFu), __NV_E4M3);
@@ -165,7 +168,7 @@ __device__ __forceinline__ float tile_logits(const QueryRow<kHeadTiles>& row, co
       for (int i = 0; i < 4; ++i) score[i] = b == 0 ? tile.s[i / 2][0] * dot[i] : fmaf(tile.s[i / 2][b], dot[i], score[i]);
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) sum[i / 2] = fmaf(row.w[j][i % 2], fmaxf(score[i], 0.0f), sum[i / 2]);
+    for (int i = 0; i < 4; ++i) sum[i / 2] = fmaf(row.w[j][i % 2], relu(score[i]), sum[i / 2]);
   }
   // Over the quad: lanes t = 0, 1 gather key g, t = 2, 3 key g + 8 (3 shuffles, not 4).
   const int t = threadIdx.x % 4;
