@@ -88,16 +88,16 @@ def test_mqa_logits_match_reference(device, quant_block_size, scale_fmt, heads, 
 
 
 def paged_case(g: torch.Generator, context_lens: torch.Tensor, heads: int, quant_block_size: int, block_size: int,
-               columns: int, device: str):
-    """Keys of each request stored with the store op into shuffled blocks of a padded, NaN-poisoned cache; garbage
-    block-table entries past each request's longest context."""
+               columns: int, device: str, pad: int = 96, scale_fmt: str = "ue8m0"):
+    """Keys of each request stored with the store op into shuffled blocks of a NaN-poisoned cache whose blocks are
+    `pad` bytes apart; garbage block-table entries past each request's longest context."""
     batch, next_n = context_lens.shape
     head_dim = 128
     layout = IndexerCacheLayout(head_dim, block_size, quant_block_size)
     stored = context_lens.amax(1).clamp(max=columns)  # keys past the columns are never read
     pages = [-(-int(n) // block_size) for n in stored]
     num_blocks = sum(pages) + 3
-    cache = layout.allocate(num_blocks, device, fill=NAN_BYTE, block_stride=layout.block_bytes + 96)
+    cache = layout.allocate(num_blocks, device, fill=NAN_BYTE, block_stride=layout.block_bytes + pad)
     free = torch.randperm(num_blocks, generator=g).tolist()
     width = -(-columns // block_size) + 1
     table = torch.randint(-(1 << 30), 1 << 30, (batch, width), generator=g, dtype=torch.int32)
@@ -107,9 +107,27 @@ def paged_case(g: torch.Generator, context_lens: torch.Tensor, heads: int, quant
         k = (torch.randn(keys, head_dim, generator=g) * torch.rand(keys, 1, generator=g).mul(8).exp2()).bfloat16()
         c = torch.arange(keys)
         slots = table[b, c // block_size].long() * block_size + c % block_size
-        ops.indexer_k_quant_and_cache(k.to(device), cache, slots.to(device), quant_block_size, "ue8m0")
+        ops.indexer_k_quant_and_cache(k.to(device), cache, slots.to(device), quant_block_size, scale_fmt)
     q, w = queries(g, (batch, next_n), heads, head_dim)
     return cache, table, q, w
+
+
+def assert_paged_logits_match(cache, table, q, w, context_lens, quant_block_size: int, columns: int, device: str):
+    """The op's paged logits on `device` against the reference, bounded by the same reference over |q|, |w|, |k|."""
+    rows = q.size(0) * q.size(1)
+    want = torch.empty(rows, columns, dtype=torch.float64)
+    reference.indexer_paged_mqa_logits(q, cache, w, context_lens, table, quant_block_size, want)
+    got = poisoned_logits(rows, columns, device)
+    ops.indexer_paged_mqa_logits(q.to(device), cache, w.to(device), context_lens.to(device), table.to(device),
+                                 quant_block_size, got)
+    flat = cache.cpu().clone()
+    layout = IndexerCacheLayout.from_cache(flat, quant_block_size)
+    values = layout.block_bytes_view(flat)[:, :layout.block_size * layout.head_dim]
+    values.copy_(values.view(FP8).float().abs().to(FP8).view(torch.uint8))
+    bound = torch.empty(rows, columns, dtype=torch.float64)
+    reference.indexer_paged_mqa_logits(q.float().abs().to(FP8), flat, w.abs(), context_lens, table, quant_block_size,
+                                       bound)
+    assert_logits_match(got, want, bound, device)
 
 
 @pytest.mark.parametrize("next_n,heads,quant_block_size,block_size", [(1, 64, 128, 64), (3, 32, 64, 16),
@@ -122,19 +140,7 @@ def test_paged_mqa_logits_match_reference(device, next_n, heads, quant_block_siz
     lens[1] = torch.arange(next_n) + 1000  # longer than the columns: clamped
     context_lens = lens.int()
     cache, table, q, w = paged_case(g, context_lens, heads, quant_block_size, block_size, columns, device)
-    want = torch.empty(batch * next_n, columns, dtype=torch.float64)
-    reference.indexer_paged_mqa_logits(q, cache, w, context_lens, table, quant_block_size, want)
-    got = poisoned_logits(batch * next_n, columns, device)
-    ops.indexer_paged_mqa_logits(q.to(device), cache, w.to(device), context_lens.to(device), table.to(device),
-                                 quant_block_size, got)
-    # The absolute terms, from the same reference over |q|, |w| and |k|.
-    flat = cache.cpu().clone()
-    values = IndexerCacheLayout.from_cache(flat, quant_block_size).block_bytes_view(flat)[:, :block_size * 128]
-    values.copy_(values.view(FP8).float().abs().to(FP8).view(torch.uint8))
-    bound = torch.empty(batch * next_n, columns, dtype=torch.float64)
-    reference.indexer_paged_mqa_logits(q.float().abs().to(FP8), flat, w.abs(), context_lens, table,
-                                       quant_block_size, bound)
-    assert_logits_match(got, want, bound, device)
+    assert_paged_logits_match(cache, table, q, w, context_lens, quant_block_size, columns, device)
 
 
 def test_paged_logits_are_independent_of_the_batch(device):

@@ -9,13 +9,14 @@ from test_logits_ops import (
     NAN_BYTE,
     absolute_terms,
     assert_logits_match,
+    assert_paged_logits_match,
+    paged_case,
     poisoned_logits,
     queries,
     random_keys,
 )
 
 from vllm_nvfp4_plugin import ops, reference
-from vllm_nvfp4_plugin.layout import IndexerCacheLayout
 
 FP8 = torch.float8_e4m3fn
 
@@ -51,30 +52,7 @@ def test_mqa_logits_unaligned_and_many_heads(device, rows, keys, heads, quant_bl
 def test_paged_mqa_logits_unaligned_and_many_heads(device, batch, next_n, heads, quant_block_size, block_size, pad,
                                                    columns):
     g = torch.Generator().manual_seed(batch * 100 + heads + pad)
-    layout = IndexerCacheLayout(128, block_size, quant_block_size)
     lens = (torch.randint(1, columns + 50, (batch, 1), generator=g) + torch.arange(next_n)).int()
-    stored = lens.amax(1).clamp(max=columns)
-    pages = [-(-int(n) // block_size) for n in stored]
-    num_blocks = sum(pages) + 2
-    cache = layout.allocate(num_blocks, device, fill=NAN_BYTE, block_stride=layout.block_bytes + pad)
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    table = torch.randint(-(1 << 30), 1 << 30, (batch, -(-columns // block_size) + 1), generator=g, dtype=torch.int32)
-    for b, n in enumerate(pages):
-        table[b, :n] = torch.tensor([free.pop() for _ in range(n)], dtype=torch.int32)
-        c = torch.arange(int(stored[b]))
-        k = (torch.randn(len(c), 128, generator=g) * torch.rand(len(c), 1, generator=g).mul(8).exp2()).bfloat16()
-        slots = table[b, c // block_size].long() * block_size + c % block_size
-        ops.indexer_k_quant_and_cache(k.to(device), cache, slots.to(device), quant_block_size, "")
-    q, w = queries(g, (batch, next_n), heads, 128)
-    want = torch.empty(batch * next_n, columns, dtype=torch.float64)
-    reference.indexer_paged_mqa_logits(q, cache, w, lens, table, quant_block_size, want)
-    got = poisoned_logits(batch * next_n, columns, device)
-    ops.indexer_paged_mqa_logits(q.to(device), cache, w.to(device), lens.to(device), table.to(device),
-                                 quant_block_size, got)
-    # The absolute terms, from the same reference over |q|, |w| and |k|.
-    flat = cache.cpu().clone()
-    values = layout.block_bytes_view(flat)[:, :block_size * 128]
-    values.copy_(values.view(FP8).float().abs().to(FP8).view(torch.uint8))
-    bound = torch.empty(batch * next_n, columns, dtype=torch.float64)
-    reference.indexer_paged_mqa_logits(q.float().abs().to(FP8), flat, w.abs(), lens, table, quant_block_size, bound)
-    assert_logits_match(got, want, bound, device)
+    cache, table, q, w = paged_case(g, lens, heads, quant_block_size, block_size, columns, device, pad=pad,
+                                    scale_fmt="")
+    assert_paged_logits_match(cache, table, q, w, lens, quant_block_size, columns, device)
