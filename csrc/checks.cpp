@@ -210,14 +210,12 @@ void check_queries(const char* op, const Tensor& q, int64_t dim, const char* sha
               shape_of(q));
 }
 
-void check_logits(const char* op, const Tensor& logits, int64_t rows, int64_t cols_max, const char* cols_text,
-                  const Tensor& q) {
+// float32 `[rows, columns]` with contiguous, non-overlapping rows; each op checks its own column count.
+void check_logits(const char* op, const Tensor& logits, int64_t rows, const Tensor& q) {
   check_dtype(op, "logits", logits, {ScalarType::Float}, "float32");
   check_dim(op, "logits", logits, 2, "[rows, columns]");
   NVFP4_CHECK(logits.size(0) == rows, op, ": logits: must have ", rows, " rows (one per query token), got shape ",
               shape_of(logits));
-  NVFP4_CHECK(cols_max < 0 ? logits.size(1) >= 0 : logits.size(1) <= cols_max, op, ": logits: ", cols_text,
-              ", got shape ", shape_of(logits));
   NVFP4_CHECK(logits.stride(1) == 1 && (rows <= 1 || logits.stride(0) >= logits.size(1)), op,
               ": logits: rows must be contiguous and must not overlap, got strides [", logits.stride(0), ", ",
               logits.stride(1), "]");
@@ -328,7 +326,7 @@ MqaLogitsShape check_indexer_mqa_logits(const Tensor& q, const Tensor& k, const 
   check_metadata(op, "weights", weights, ScalarType::Float, "float32", {rows, heads}, "[rows, heads]", q, "q");
   check_metadata(op, "ks", ks, ScalarType::Int, "int32", {rows}, "[rows]", q, "q");
   check_metadata(op, "ke", ke, ScalarType::Int, "int32", {rows}, "[rows]", q, "q");
-  check_logits(op, logits, rows, -1, "", q);
+  check_logits(op, logits, rows, q);
   NVFP4_CHECK(logits.size(1) == keys, op, ": logits: must have one column per key (", keys, "), got shape ",
               shape_of(logits));
   return {rows, heads, head_dim, keys, head_dim / (scale_bytes / 4)};
@@ -356,10 +354,10 @@ PagedMqaLogitsShape check_indexer_paged_mqa_logits(const Tensor& q, const Tensor
   NVFP4_CHECK(block_table.stride(1) == 1, op, ": block_table: rows must be contiguous, got stride ",
               block_table.stride(1));
   check_same_device(op, "block_table", block_table, q, "q");
+  check_logits(op, logits, batch * next_n, q);
   const int64_t max_columns = block_table.size(1) * layout.block_size;
-  const std::string cols_text = "at most block_table's " + std::to_string(block_table.size(1)) + " blocks × " +
-                                std::to_string(layout.block_size) + " = " + std::to_string(max_columns) + " columns";
-  check_logits(op, logits, batch * next_n, max_columns, cols_text.c_str(), q);
+  NVFP4_CHECK(logits.size(1) <= max_columns, op, ": logits: at most block_table's ", block_table.size(1),
+              " blocks × ", layout.block_size, " = ", max_columns, " columns, got shape ", shape_of(logits));
   return {batch, next_n, heads, logits.size(1), layout};
 }
 
