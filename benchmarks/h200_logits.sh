@@ -4,26 +4,13 @@
 # compute-sanitizer (memcheck; racecheck: the prefill kernel stages keys in shared memory). Logs go to $OUT.
 # STEPS picks steps (default: all); every step ends before DEADLINE seconds (the run tool's limit is 600).
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/h200_steps.sh"
 OUT=$(realpath -m "${OUT:-out}")
 STEPS=${STEPS:-"build tests bench cpu_tests memcheck racecheck"}
 DEADLINE=${DEADLINE:-580}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-has() { [[ " $STEPS " == *" $1 "* ]]; }
-status=0
-step() {  # step NAME SECONDS COMMAND...: runs with a time limit, logs to $OUT/NAME.log, records failures
-  local name=$1 limit=$2; shift 2
-  local left=$((DEADLINE - SECONDS))
-  [ $left -lt $limit ] && limit=$left
-  if [ $limit -lt 20 ]; then echo "== $name: skipped, no time left" | tee -a "$OUT/summary.txt"; status=1; return; fi
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
-  tail -12 "$OUT/$name.log"
-  [ $rc -eq 0 ] || status=1
-}
 if has build; then
   TORCH_CUDA_ARCH_LIST="${ARCHS:-9.0a}" MAX_JOBS=16 step build 300 \
     python3 -m pip install -v --no-build-isolation --no-deps -e .

@@ -7,6 +7,7 @@
 # after the op tests); every step ends before DEADLINE seconds (the run tool's limit is 600). ARCHS sets
 # TORCH_CUDA_ARCH_LIST (default "9.0a;10.0a"); MEMCHECK_K and MEMCHECK_LARGE_K narrow the memcheck steps' -k.
 set -uo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/h200_steps.sh"
 OUT=$(realpath -m "${OUT:-out}")
 STEPS=${STEPS:-"build cuda_tests tests bench bad_inputs bad_inputs_backtrace doctor memcheck memcheck_large racecheck ncu"}
 DEADLINE=${DEADLINE:-580}
@@ -21,20 +22,6 @@ if [ -n "${BUILD_HEAD:-}" ]; then
 fi
 export PYTHONPATH=/tmp/site FLASHINFER_CUDA_ARCH_LIST=9.0a TVM_FFI_DISABLE_TORCH_C_DLPACK=1 PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-has() { [[ " $STEPS " == *" $1 "* ]]; }
-status=0
-step() {  # step NAME SECONDS COMMAND...: runs with a time limit, logs to $OUT/NAME.log, records failures
-  local name=$1 limit=$2; shift 2
-  local left=$((DEADLINE - SECONDS))
-  [ $left -lt $limit ] && limit=$left
-  if [ $limit -lt 20 ]; then echo "== $name: skipped, no time left" | tee -a "$OUT/summary.txt"; status=1; return; fi
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  echo "== $name: exit $rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
-  tail -15 "$OUT/$name.log"
-  [ $rc -eq 0 ] || status=1
-}
 
 # FlashInfer JIT-compiles its page writer and NVFP4 decode on first use (~30 s each): warm them during the build.
 python3 - > "$OUT/flashinfer_warmup.log" 2>&1 <<'PY' &
