@@ -26,7 +26,7 @@ from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.indexer import core
 from vllm_nvfp4_plugin.layout import IndexerCacheLayout
 
-from cuda_timing import event_median_ms as median_ms
+from cuda_timing import capture_graph, event_median_ms as median_ms
 
 BATCH, CONTEXT, HEADS, TOPK, QUERY = 64, 32768, 64, 2048, 8192
 LAYOUT = IndexerCacheLayout(128, 64, 128)
@@ -35,17 +35,7 @@ DEVICE = torch.device("cuda")
 
 def graph_ms(fn, repeat: int = 4) -> float:
     """Median time of one call, from replays of a CUDA graph of `repeat` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            fn()
-    graph.replay()
-    return median_ms(graph.replay, 7) / repeat
+    return median_ms(capture_graph([fn], repeat).replay, 7) / repeat
 
 
 def eager_ms(fn) -> float:

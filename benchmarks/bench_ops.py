@@ -28,6 +28,8 @@ import torch
 from vllm_nvfp4_plugin import ops
 from vllm_nvfp4_plugin.layout import IndexerCacheLayout, NVFP4PageLayout
 
+from cuda_timing import capture_graph
+
 
 @dataclass
 class Bench:
@@ -122,12 +124,7 @@ def timer(fn: Callable[[], None], device: str) -> Callable[[], tuple[float, floa
             fn()
             return time.perf_counter() - start, time.process_time() - start_cpu
         return run_cpu
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
+    graph = capture_graph([fn])
     torch.cuda.synchronize()
 
     def run_cuda() -> tuple[float, float]:

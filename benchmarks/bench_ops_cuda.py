@@ -27,33 +27,16 @@ from vllm_nvfp4_plugin import ops, reference
 from vllm_nvfp4_plugin.attention.flashinfer_reader import nvfp4_flashinfer_views
 from vllm_nvfp4_plugin.layout import IndexerCacheLayout, NVFP4PageLayout
 
-from cuda_timing import event_median_ms as median_ms
+from cuda_timing import capture_graph, event_median_ms as median_ms
 
 HEADS, HEAD, PAGE = 8, 128, 16
 INDEXER = IndexerCacheLayout(128, 64, 128)
 DEVICE = torch.device("cuda")
 
 
-def capture(calls: list, repeat: int = 4) -> torch.cuda.CUDAGraph:
-    """A graph holding `repeat` rounds of `calls` (rotating inputs), captured after a warm-up and replayed once."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            for fn in calls:
-                fn()
-    graph.replay()
-    return graph
-
-
 def graph_ms(calls: list, repeat: int = 4, reps: int = 20) -> float:
     """Median time of one call, from replays of a graph holding `repeat` rounds of `calls` (rotating inputs)."""
-    return median_ms(capture(calls, repeat).replay, reps) / (repeat * len(calls))
+    return median_ms(capture_graph(calls, repeat).replay, reps) / (repeat * len(calls))
 
 
 def replay_for(graph: torch.cuda.CUDAGraph, ms: float):
@@ -96,8 +79,8 @@ class Results:
         print(f"{case:<48} {impl:<22} {ms * 1e3:10.2f} us {nbytes / ms / 1e9:8.3f} TB/s{settled}", flush=True)
 
     def add_graph(self, case: str, impl: str, calls: list, nbytes: float, repeat: int = 4, reps: int = 20) -> float:
-        """Times `calls` by graph replay (see capture), adds the row and returns its time (ms)."""
-        graph = capture(calls, repeat)
+        """Times `calls` by graph replay, adds the row and returns its time (ms) (see cuda_timing.capture_graph)."""
+        graph = capture_graph(calls, repeat)
         per_call = repeat * len(calls)
         ms = median_ms(graph.replay, reps) / per_call
         settled_ms = None

@@ -18,24 +18,14 @@ from vllm_nvfp4_plugin.attention import DequantWorkspace, NVFP4AttentionMetadata
 from vllm_nvfp4_plugin.attention.flashinfer_reader import FlashInferNVFP4Decoder
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 
-from cuda_timing import event_median_ms as _median_ms
+from cuda_timing import capture_graph, event_median_ms as _median_ms
 
 COPY_BANDWIDTH = 4.2e12  # bytes/s, device-to-device copy measured on this H200 (GPU.md)
 
 
 def graph_median_ms(fn, calls=20, reps=15) -> float:
     """Median time of one `fn()` from replays of a CUDA graph holding `calls` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return _median_ms(graph.replay, reps) / calls
+    return _median_ms(capture_graph([fn], calls, warmup_rounds=3).replay, reps) / calls
 
 
 def captured_median_ms(fn) -> tuple[float, str]:
