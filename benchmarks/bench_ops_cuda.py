@@ -8,8 +8,8 @@ captured in a CUDA graph of several calls and the graph replayed; the median rep
 reported with the effective bandwidth: the bytes the op must read plus the bytes it must write, over that
 time. Slots and blocks are random permutations; inputs that fit in the 60 MB L2 rotate over several copies.
 The torch reference runs eagerly (it syncs on the host) as the speed floor. `--settle-ms MS` adds a second
-reading of every graph-timed row, after MS ms of further replays (RESULTS.md, fifth pass: the first replays of
-a case can differ from later ones by several percent, in both directions, depending on what ran before).
+reading of every graph-timed row, after MS ms of further replays (RESULTS.md, sixth pass: the random-slot NVFP4
+store reads ~4% slower after 200 ms of continuous replays; the other rows stay within 1%).
 
 FlashInfer (`--flashinfer`) writes the same inputs into the same page bytes (strided views of the
 [DATA | SCALES] sides); its bytes are compared with ours and every differing nibble is classified.
