@@ -156,11 +156,28 @@ __device__ __forceinline__ float e4m3_value(uint8_t byte) {
 
 // --- FP4 E2M1 -----------------------------------------------------------------------------------------
 
+// `magnitudes` (eight E2M1 magnitude codes, sign bits clear, element 2j in the low nibble of byte j) with the
+// signs of x added: byte j of `odd`/`even` is the top byte of x[2j+1]/x[2j], whose bit 7 is the sign; they land on
+// bits 8j+7 and 8j+3, the sign bits of nibbles 2j+1 and 2j.
+__device__ __forceinline__ uint32_t e2m1_with_signs(uint32_t magnitudes, const float (&x)[8]) {
+  uint32_t bits[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) bits[i] = __float_as_uint(x[i]);
+  const uint32_t odd = __byte_perm(__byte_perm(bits[1], bits[3], 0x0073), __byte_perm(bits[5], bits[7], 0x7300), 0x7610);
+  const uint32_t even = __byte_perm(__byte_perm(bits[0], bits[2], 0x0073), __byte_perm(bits[4], bits[6], 0x7300), 0x7610);
+  return magnitudes | (odd & 0x80808080u) | ((even >> 4) & 0x08080808u);
+}
+
 // Eight E2M1 codes packed into 32 bits, element 2j in the low nibble of byte j (FORMATS.md §1).
 __device__ __forceinline__ uint32_t e2m1_pack8(const float (&x)[8]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && \
     (defined(__CUDA_ARCH_SPECIFIC__) || defined(__CUDA_ARCH_FAMILY_SPECIFIC__))
-  // Blackwell converts in hardware: cvt puts its first operand in the high nibble.
+  // Blackwell converts the magnitudes in hardware (cvt puts its first operand in the high nibble). It is given
+  // min(|x|, 6), never a NaN or a -0, whose codes the PTX ISA leaves open: a NaN then gets code 7 and -0 code 8
+  // with the signs added, as on the other GPUs; the rest is round to nearest even, as there.
+  float m[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m[i] = fminf(fabsf(x[i]), 6.0f);
   uint32_t packed;
   asm("{\n"
       ".reg .b8 b0, b1, b2, b3;\n"
@@ -171,22 +188,15 @@ __device__ __forceinline__ uint32_t e2m1_pack8(const float (&x)[8]) {
       "mov.b32 %0, {b0, b1, b2, b3};\n"
       "}"
       : "=r"(packed)
-      : "f"(x[0]), "f"(x[1]), "f"(x[2]), "f"(x[3]), "f"(x[4]), "f"(x[5]), "f"(x[6]), "f"(x[7]));
-  return packed;
+      : "f"(m[0]), "f"(m[1]), "f"(m[2]), "f"(m[3]), "f"(m[4]), "f"(m[5]), "f"(m[6]), "f"(m[7]));
 #else
   // Each funnel shift moves one magnitude code (low nibble, bit 3 clear) in at the top: after eight, x[i]'s is
-  // nibble i. The signs follow in bulk: byte j of `odd`/`even` is the top byte of x[2j+1]/x[2j], whose bit 7 is
-  // the sign; they land on bits 8j+7 and 8j+3, the sign bits of nibbles 2j+1 and 2j.
+  // nibble i.
   uint32_t packed = 0;
 #pragma unroll
   for (int i = 0; i < 8; ++i) packed = __funnelshift_r(packed, e2m1_magnitude_bits(x[i]), 4);
-  uint32_t bits[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) bits[i] = __float_as_uint(x[i]);
-  const uint32_t odd = __byte_perm(__byte_perm(bits[1], bits[3], 0x0073), __byte_perm(bits[5], bits[7], 0x7300), 0x7610);
-  const uint32_t even = __byte_perm(__byte_perm(bits[0], bits[2], 0x0073), __byte_perm(bits[4], bits[6], 0x7300), 0x7610);
-  return packed | (odd & 0x80808080u) | ((even >> 4) & 0x08080808u);
 #endif
+  return e2m1_with_signs(packed, x);
 }
 
 // --- gathers ------------------------------------------------------------------------------------------
