@@ -219,14 +219,16 @@ def test_indexer_store_matches_reference(device, scale_fmt, dtype, head_dim, qua
     assert torch.equal(buffer, expected)
 
 
-def every_bf16_under_each_scale() -> torch.Tensor:
+def every_bf16_under_each_scale(mantissa: float = 1.0, non_finite: bool = True) -> torch.Tensor:
     """Rows of 128 bf16 values: for each power-of-two scale 2^e the store can pick (e = -22, the 1e-4 floor, to 119),
     a row leader 448 · 2^e that sets it, then every bf16 value of no larger magnitude (so the subnormal, rounding
-    and saturation cases of every scale); then every bf16 value behind an inf and behind a NaN (scale 1)."""
+    and saturation cases of every scale); then every bf16 value behind an inf and behind a NaN (scale 1).
+    `mantissa` multiplies the leaders (float32 scales that are not powers of two); `non_finite` adds the last two."""
     every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int16).view(torch.bfloat16)
     magnitude = every.view(torch.int16) & 0x7FFF
     rows = []
-    for leader in [448.0 * 2.0 ** e for e in range(-22, 120, 3)] + [float("inf"), float("nan")]:
+    leaders = [x for x in (448.0 * mantissa * 2.0 ** e for e in range(-22, 120, 3)) if x < 3.38e38]  # bf16-finite
+    for leader in leaders + ([float("inf"), float("nan")] if non_finite else []):
         lead = torch.tensor(leader, dtype=torch.bfloat16)
         values = every[magnitude <= (lead.view(torch.int16) & 0x7FFF)] if leader == leader else every
         values = torch.cat([values, values.new_zeros(-len(values) % 127)]).view(-1, 127)
@@ -255,12 +257,13 @@ def test_stores_of_every_float16_value(device):
     assert torch.equal(buffer.cpu(), expected_buffer)
 
 
-@pytest.mark.parametrize("scale_fmt", ["ue8m0", "mxfp8"])
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "mxfp8", ""])
 def test_indexer_store_every_bf16_value(device, scale_fmt):
-    """The AVX-512 path quantizes bf16 keys under power-of-two scales from their bits; check it on every value.
-    (Not with float32 scales: a NaN in the block makes the scale NaN, and which NaN's sign each code then carries
-    depends on how torch's amax and division propagate NaNs.)"""
-    k = every_bf16_under_each_scale()
+    """The AVX-512 path quantizes bf16 keys under power-of-two scales from their bits, and the CUDA kernel divides
+    by a float32 scale through its inverse (quant.h divide_by_scale); check both on every value. Float32 scales
+    come from leaders 448 · 1.1484375 · 2^e, and only finite ones: a NaN in the block makes the scale NaN, and
+    which NaN's sign each code then carries depends on how torch's amax and division propagate NaNs."""
+    k = every_bf16_under_each_scale(1.1484375, non_finite=False) if scale_fmt == "" else every_bf16_under_each_scale()
     case = IndexerCase(block_size=64, num_blocks=-(-len(k) // 64), num_tokens=len(k))
     buffer, kv_cache = indexer_cache(case, device, 0xA5)
     expected_buffer, expected_cache = indexer_cache(case, "cpu", 0xA5)
