@@ -259,10 +259,10 @@ def test_stores_of_every_float16_value(device):
 
 @pytest.mark.parametrize("scale_fmt", ["ue8m0", "mxfp8", ""])
 def test_indexer_store_every_bf16_value(device, scale_fmt):
-    """The AVX-512 path quantizes bf16 keys under power-of-two scales from their bits, and the CUDA kernel divides
-    by a float32 scale through its inverse (quant.h divide_by_scale); check both on every value. Float32 scales
-    come from leaders 448 · 1.1484375 · 2^e, and only finite ones: a NaN in the block makes the scale NaN, and
-    which NaN's sign each code then carries depends on how torch's amax and division propagate NaNs."""
+    """The AVX-512 path quantizes bf16 keys under power-of-two scales from their bits; float32 scales (leaders
+    448 · 1.1484375 · 2^e, not powers of two) make every quotient a full float32 to round. Check both on every
+    value. Float32 rows are finite only: an inf or NaN makes the scale non-finite, and which NaN's sign each code
+    then carries depends on the machine (inf / inf is −NaN on x86, the canonical +NaN on the GPU)."""
     k = every_bf16_under_each_scale(1.1484375, non_finite=False) if scale_fmt == "" else every_bf16_under_each_scale()
     case = IndexerCase(block_size=64, num_blocks=-(-len(k) // 64), num_tokens=len(k))
     buffer, kv_cache = indexer_cache(case, device, 0xA5)
