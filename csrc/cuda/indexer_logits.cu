@@ -257,6 +257,45 @@ __device__ __forceinline__ void read_stage_tile(const KeyStage<kBlocks>& stage, 
 // Whether the 16-key tile from `first` meets [lo, hi).
 __device__ __forceinline__ bool tile_meets(int first, int lo, int hi) { return first + TILE_KEYS > lo && first < hi; }
 
+// The cp.async pipeline of both kernels: stage i + STAGES - 1 loads while stage i is scored, into the buffer every
+// warp finished reading at i - 1. `load_stage(buffer, i)` stages stage i's keys; `tile_on(i, sub)` says whether
+// tile `sub` of stage i is computed (uniform in the warp; with kPrefix no later tile of the stage is either); this
+// warp writes its sums to sums[i % 2][slot], and `store_stage(i)` stores stage i's after the next barrier (they
+// are rewritten at i + 2).
+template <bool kPrefix, int kHeadTiles, int kBlocks, int kSlots, typename LoadStage, typename TileOn,
+          typename StoreStage>
+__device__ __forceinline__ void score_stages(KeyStage<kBlocks> (&stages)[STAGES], float (&sums)[2][kSlots][STAGE_KEYS],
+                                             int slot, const QueryRow<kHeadTiles>& query, int num_stages,
+                                             LoadStage load_stage, TileOn tile_on, StoreStage store_stage) {
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < num_stages) load_stage(stages[s], s);
+    cp_async_commit();
+  }
+  const int lane_key = tile_key_of_lane();
+  for (int i = 0; i < num_stages; ++i) {
+    const int next = i + STAGES - 1;
+    if (next < num_stages) load_stage(stages[next % STAGES], next);
+    cp_async_commit();
+    cp_async_wait<STAGES - 1>();
+    __syncthreads();
+    if (i > 0) store_stage(i - 1);
+#pragma unroll
+    for (int sub = 0; sub < STAGE_KEYS / TILE_KEYS; ++sub) {
+      if (!tile_on(i, sub)) {
+        if constexpr (kPrefix) break;  // (a break keeps the decode kernel's registers: `continue` spills there)
+        else continue;
+      }
+      KeyTile<kBlocks> tile;
+      read_stage_tile(stages[i % STAGES], sub, tile);
+      const float value = tile_logits(query, tile);
+      if (lane_key >= 0) sums[i % 2][slot][sub * TILE_KEYS + lane_key] = value;
+    }
+    __syncthreads();
+  }
+  store_stage(num_stages - 1);
+}
+
 // --- prefill: indexer_mqa_logits ------------------------------------------------------------------------
 
 // Stages contiguous keys [first, first + STAGE_KEYS) (zeros past `keys`); the scales are 4-byte aligned
@@ -324,32 +363,13 @@ __global__ void __launch_bounds__(2 * PREFILL_PAIRS * WARP, 2) indexer_mqa_logit
       store_logit(out + key, partial[i % 2][warp][c] + partial[i % 2][warp + 1][c], key >= lo && key < hi, accumulate);
     }
   };
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_stages)
-      stage_keys(stages[s], k, k_stride, k_scale, scale_stride, base + s * STAGE_KEYS, keys, vector_k);
-    cp_async_commit();
-  }
-  const int lane_key = tile_key_of_lane();
-  for (int i = 0; i < num_stages; ++i) {
-    const int next = i + STAGES - 1;  // into the stage every warp finished reading at i - 1
-    if (next < num_stages)
-      stage_keys(stages[next % STAGES], k, k_stride, k_scale, scale_stride, base + next * STAGE_KEYS, keys, vector_k);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
-    if (i > 0) store_stage(i - 1);  // its sums were written before the last barrier; rewritten at i + 1
-#pragma unroll
-    for (int sub = 0; sub < STAGE_KEYS / TILE_KEYS; ++sub) {
-      if (!has_keys || !tile_meets(base + i * STAGE_KEYS + sub * TILE_KEYS, lo, hi)) continue;  // uniform in the warp
-      KeyTile<kBlocks> tile;
-      read_stage_tile(stages[i % STAGES], sub, tile);
-      const float value = tile_logits(query, tile);
-      if (lane_key >= 0) partial[i % 2][warp][sub * TILE_KEYS + lane_key] = value;
-    }
-    __syncthreads();
-  }
-  store_stage(num_stages - 1);
+  score_stages<false>(
+      stages, partial, warp, query, num_stages,
+      [&](KeyStage<kBlocks>& stage, int i) {
+        stage_keys(stage, k, k_stride, k_scale, scale_stride, base + i * STAGE_KEYS, keys, vector_k);
+      },
+      [&](int i, int sub) { return has_keys && tile_meets(base + i * STAGE_KEYS + sub * TILE_KEYS, lo, hi); },
+      store_stage);
 }
 
 // --- decode: indexer_paged_mqa_logits -------------------------------------------------------------------
@@ -431,31 +451,12 @@ __global__ void __launch_bounds__(DECODE_WARPS * WARP, 8) indexer_paged_mqa_logi
         store_logit(out + key, partial[i % 2][0][c] + partial[i % 2][1][c], key < visible, accumulate);
     }
   };
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < num_stages) stage_paged_keys(stages[s], cache, table_row, begin + s * STAGE_KEYS, visible);
-    cp_async_commit();
-  }
-  const int lane_key = tile_key_of_lane();
-  for (int i = 0; i < num_stages; ++i) {
-    const int next = i + STAGES - 1;  // into the stage both warps finished reading at i - 1
-    if (next < num_stages)
-      stage_paged_keys(stages[next % STAGES], cache, table_row, begin + next * STAGE_KEYS, visible);
-    cp_async_commit();
-    cp_async_wait<STAGES - 1>();
-    __syncthreads();
-    if (i > 0) store_stage(i - 1);
-#pragma unroll
-    for (int sub = 0; sub < kTilesPerStage; ++sub) {
-      if (i * kTilesPerStage + sub >= num_tiles) break;  // uniform in the CTA
-      KeyTile<kBlocks> tile;
-      read_stage_tile(stages[i % STAGES], sub, tile);
-      const float value = tile_logits(query, tile);
-      if (lane_key >= 0) partial[i % 2][half][sub * TILE_KEYS + lane_key] = value;
-    }
-    __syncthreads();
-  }
-  store_stage(num_stages - 1);
+  score_stages<true>(
+      stages, partial, half, query, num_stages,
+      [&](KeyStage<kBlocks>& stage, int i) {
+        stage_paged_keys(stage, cache, table_row, begin + i * STAGE_KEYS, visible);
+      },
+      [&](int i, int sub) { return i * kTilesPerStage + sub < num_tiles; }, store_stage);
 }
 
 // --- host -----------------------------------------------------------------------------------------------
