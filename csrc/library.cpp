@@ -1,4 +1,4 @@
-// The `vllm_nvfp4` op library: the six schemas (mirroring vLLM's own ops) and the `_C` Python module
+// The `vllm_nvfp4` op library: the op schemas (mirroring vLLM's own ops) and the `_C` Python module
 // whose import loads this shared object and so runs the registrations. Kernels register per device in
 // cpu_ops.cpp and cuda/.
 #include <Python.h>
@@ -27,4 +27,8 @@ STABLE_TORCH_LIBRARY(vllm_nvfp4, m) {
         "Tensor(a!) logits) -> ()");
   m.def("indexer_paged_mqa_logits(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, "
         "Tensor block_table, int quant_block_size, Tensor(a!) logits) -> ()");
+  // Paged attention read straight from the NVFP4 cache: decode, prefill and chunked prefill in one call.
+  m.def("nvfp4_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "Tensor query_start_loc, Tensor seq_lens, Tensor k_scale, Tensor v_scale, float scale, bool causal, "
+        "bool swizzle_v_scales, int max_query_len, int max_seq_len, Tensor(a!) out) -> ()");
 }

@@ -1,4 +1,4 @@
-"""Plain-torch reference of the six ops and of NVFP4 encode/decode, written from FORMATS.md.
+"""Plain-torch reference of the ops and of NVFP4 encode/decode, written from FORMATS.md.
 
 It is the oracle of the CPU and CUDA tests and is deliberately slow and obvious. The cache ops are bit-exact
 contracts: their arithmetic is float32, in the order FORMATS.md gives. The indexer logits sum in any order, so
@@ -121,6 +121,31 @@ def gather_nvfp4_kv_cache(key_cache, value_cache, block_table, cu_seq_lens, k_sc
         packed = flat[b.expand_as(data_off), data_off]
         sf = flat[b.expand_as(scale_off), scale_off]
         out[rows] = nvfp4_decode(packed, sf, g, out.dtype)
+
+
+def nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale,
+                          scale: float, causal: bool, swizzle_v_scales: bool, max_query_len: int, max_seq_len: int,
+                          out) -> None:
+    """fp32 attention over the dequantized cache, one request at a time (the kernels' oracle)."""
+    layout = NVFP4PageLayout.from_side_cache(key_cache, swizzle_v_scales)
+    starts, lens = query_start_loc.long().cpu().tolist(), seq_lens.long().cpu().tolist()
+    group = query.size(1) // layout.num_heads
+    for r, c in enumerate(lens):
+        n = starts[r + 1] - starts[r]
+        if n == 0:
+            continue
+        k = torch.empty(c, layout.num_heads, layout.head_size, dtype=_F32, device=query.device)
+        v = torch.empty_like(k)
+        cu = torch.tensor([0, c], dtype=torch.int32, device=query.device)
+        gather_nvfp4_kv_cache(key_cache, value_cache, block_table[r:r + 1], cu, k_scale, v_scale,
+                              swizzle_v_scales, k, v)
+        q = query[starts[r]:starts[r + 1]].to(_F32)  # [n, Hq, D]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [c, Hq, D]
+        logits = torch.einsum("nhd,chd->hnc", q, k) * scale
+        if causal:  # query i sits at position c - n + i
+            visible = torch.arange(c, device=q.device) <= torch.arange(n, device=q.device)[:, None] + (c - n)
+            logits = logits.masked_fill(~visible, float("-inf"))
+        out[starts[r]:starts[r + 1]] = torch.einsum("hnc,chd->nhd", logits.softmax(-1), v).to(out.dtype)
 
 
 # --- Sparse-indexer K cache ops -----------------------------------------------------------------
