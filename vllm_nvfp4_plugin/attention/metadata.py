@@ -23,6 +23,10 @@ class NVFP4AttentionMetadata:
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
     slot_mapping: torch.Tensor  # int64 [num_tokens]
     causal: bool = True
+    # Host-side upper bounds of the query and context lengths, for kernel launch planning without reading
+    # the device tensors back (what CUDA-graph capture needs).
+    max_query_len: int = 0
+    max_seq_len: int = 0
 
     def __post_init__(self):
         num_reqs = self.seq_lens.numel()
@@ -51,4 +55,4 @@ class NVFP4AttentionMetadata:
         query_start_loc = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
         query_start_loc[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.int32), 0)
         return cls(query_start_loc.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device),
-                   block_table, slot_mapping, causal)
+                   block_table, slot_mapping, causal, max(query_lens, default=0), max(seq_lens, default=0))

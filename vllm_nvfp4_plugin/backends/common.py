@@ -30,4 +30,6 @@ def core_metadata(common: CommonAttentionMetadata) -> NVFP4AttentionMetadata:
         block_table=common.block_table_tensor,
         slot_mapping=common.slot_mapping[:common.num_actual_tokens],
         causal=bool(common.causal),
+        max_query_len=common.max_query_len,
+        max_seq_len=common.max_seq_len,
     )
