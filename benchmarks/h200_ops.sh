@@ -60,7 +60,7 @@ if has bad_inputs_backtrace && ! grep -q " passed" "$OUT/test_bad_inputs.log"; t
   step bad_inputs_backtrace 90 cuda-gdb -q -batch -ex run -ex "bt 30" --args python3 -m pytest -x -q -m gpu \
     -p no:cacheprovider tests/test_bad_inputs.py
 fi
-has doctor && step doctor 90 python3 -m vllm_nvfp4_plugin.doctor
+has doctor && step doctor 90 python3 -m vllm_nvfp4_plugin.tools.doctor
 has racecheck && step racecheck 120 compute-sanitizer --tool racecheck --error-exitcode 1 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "gather and not opcheck" tests/test_ops_cpu.py
 # One cudaMalloc per tensor, so memcheck sees the end of every tensor rather than of a cached pool.

@@ -30,7 +30,7 @@ build=$!
 python3 - > $LOGS/setup.log 2>&1 <<'PY'
 import torch, vllm
 from vllm.platforms import current_platform
-from vllm_nvfp4_plugin.models import tiny_llama_path
+from vllm_nvfp4_plugin.tools.models import tiny_llama_path
 print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name())
 print("vllm", vllm.__version__, "platform", type(current_platform).__name__)
 for head in (64, 128, 256):

@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from vllm_jobs import run_job  # noqa: E402
 
-from vllm_nvfp4_plugin.models import tiny_llama_path  # noqa: E402
+from vllm_nvfp4_plugin.tools.models import tiny_llama_path  # noqa: E402
 
 KV_CACHE_BYTES = 64 << 20
 CHUNK = 64  # max_num_batched_tokens: the long prompts are prefilled in several chunks

@@ -20,6 +20,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   cachetools==8.0.2 xgrammar==0.2.8 fastapi==0.136.3 starlette==1.10.0 partial-json-parser==0.2.1.1.post7 \
   llguidance==1.7.6 compressed-tensors==0.17.0 loguru==0.7.3 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 \
   jiter==0.19.0
-SMOL=$(python3 -m vllm_nvfp4_plugin.models smollm2)
+SMOL=$(python3 -m vllm_nvfp4_plugin.tools.models smollm2)
 tar -C "$SMOL" -cJf "$DEST/smollm2_tokenizer.tar.xz" tokenizer.json tokenizer_config.json chat_template.jinja
 du -sh "$DEST" .whl

@@ -25,7 +25,7 @@ import torch
 from transformers import AttentionInterface, AutoTokenizer, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from vllm_nvfp4_plugin.models import tiny_llama_path
+from vllm_nvfp4_plugin.tools.models import tiny_llama_path
 from vllm_nvfp4_plugin.reference import nvfp4_decode, nvfp4_encode
 
 from h200_vllm_engine import BATCHES, agreement

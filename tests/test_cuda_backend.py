@@ -13,9 +13,10 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
 from vllm_nvfp4_plugin import reference
-from vllm_nvfp4_plugin.backends import register_attention_backends
-from vllm_nvfp4_plugin.backends.cuda import NVFP4CudaBackend, NVFP4CudaMetadataBuilder, shared_decode_params
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
+from vllm_nvfp4_plugin.vllm_adapter import register_attention_backends
+from vllm_nvfp4_plugin.vllm_adapter.cuda_backend import (NVFP4CudaBackend, NVFP4CudaMetadataBuilder,
+                                                         shared_decode_params)
 
 HOPPER = DeviceCapability(9, 0)
 

@@ -1,4 +1,4 @@
-"""The main job (python -m vllm_nvfp4_plugin.demo): two real `vllm serve` runs of SmolLM2, nvfp4 and bf16."""
+"""The main job (python -m vllm_nvfp4_plugin.tools.demo): two real `vllm serve` runs of SmolLM2, nvfp4 and bf16."""
 
 import re
 

@@ -1,4 +1,4 @@
-"""`python -m vllm_nvfp4_plugin.doctor` on the CPU: every op against the reference, and the read-back checks."""
+"""`python -m vllm_nvfp4_plugin.tools.doctor` on the CPU: every op against the reference, and the read-back checks."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ from vllm_nvfp4_plugin import doctor
 
 
 def test_doctor_cli_passes_on_cpu():
-    result = subprocess.run([sys.executable, "-m", "vllm_nvfp4_plugin.doctor", "--device", "cpu"],
+    result = subprocess.run([sys.executable, "-m", "vllm_nvfp4_plugin.tools.doctor", "--device", "cpu"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| cpu |")]

@@ -1,6 +1,6 @@
 """NVFP4 vs bf16 KV cache, teacher-forced, in vLLM: the harness, then SmolLM2 over GSM8K questions.
 
-`vllm_nvfp4_plugin.fidelity.teacher_forced_agreement` continues each prompt token by token in both
+`vllm_nvfp4_plugin.tools.fidelity.teacher_forced_agreement` continues each prompt token by token in both
 engines along the same continuation and compares the next-token distributions of the decode steps:
 each of those queries reads the whole context, question and continuation so far, back from the paged
 KV cache, so what differs between the runs is the cache's precision. Two continuations are measured:
@@ -38,7 +38,7 @@ from test_vllm_engine import engine_env
 from vllm_jobs import run_job
 
 from vllm_nvfp4_plugin import reference
-from vllm_nvfp4_plugin.models import smollm2_path, tiny_llama_path
+from vllm_nvfp4_plugin.tools.models import smollm2_path, tiny_llama_path
 
 GSM8K = Path(__file__).resolve().parents[1] / "evals" / "data" / "test.jsonl"  # MIT, see evals/data/LICENSE
 ANSWER_QUESTIONS = 20  # continued by their reference answers

@@ -25,10 +25,10 @@ from vllm.utils.torch_utils import direct_register_custom_op
 
 from .. import ops  # noqa: F401  (registers torch.ops.vllm_nvfp4)
 from ..layout import IndexerCacheLayout
-from . import core
-from .metadata import IndexerBackend, IndexerMetadata
+from ..indexer import core
+from .indexer_metadata import IndexerBackend, IndexerMetadata
 
-logger = logging.getLogger("vllm_nvfp4_plugin")
+logger = logging.getLogger("vllm.nvfp4_plugin.indexer")
 
 OP_NAME = "nvfp4_sparse_attn_indexer"  # in vLLM's op library: torch.ops.vllm.nvfp4_sparse_attn_indexer
 

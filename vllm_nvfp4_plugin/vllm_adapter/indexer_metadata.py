@@ -23,6 +23,8 @@ from vllm.v1.attention.backends.mla.indexer import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+from .compat import prefill_chunk_extra_fields
+
 
 @dataclass(kw_only=True)
 class IndexerDecodeMetadata(DeepSeekV32IndexerDecodeMetadata):
@@ -164,7 +166,8 @@ class IndexerMetadataBuilder(AttentionMetadataBuilder[IndexerMetadata]):
             token_to_seq=to_device(torch.repeat_interleave(torch.arange(len(key_lens)), torch.tensor(key_lens))),
             total_seq_lens=total, token_start=first_token + plan.row_start, token_end=first_token + plan.row_end,
             num_reqs=len(key_lens), local_cu_seq_lens=cu_dev, local_total_seq_lens=total,
-            max_local_total_seq_lens=total)
+            max_local_total_seq_lens=total,
+            **prefill_chunk_extra_fields(DeepseekV32IndexerPrefillChunkMetadata, ks, ke))
 
 
 class IndexerBackend(DeepseekV32IndexerBackend):

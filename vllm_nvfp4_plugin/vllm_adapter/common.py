@@ -6,7 +6,7 @@ import torch
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
 from ..attention import NVFP4AttentionMetadata, check_supported
-from ..spec import check_nvfp4_kv_cache_dtype
+from .spec import check_nvfp4_kv_cache_dtype
 
 
 def check_nvfp4_layer(kv_cache_dtype: str, attn_type: str, head_size: int, num_heads: int, num_kv_heads: int,

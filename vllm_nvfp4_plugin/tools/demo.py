@@ -1,6 +1,6 @@
 """The main job: SmolLM2-135M-Instruct served by `vllm serve --kv-cache-dtype nvfp4` with this plugin.
 
-    python -m vllm_nvfp4_plugin.demo
+    python -m vllm_nvfp4_plugin.tools.demo
 
 Prepares the model offline (models.smollm2_path), starts `vllm serve` on 127.0.0.1 with an NVFP4 KV
 cache, sends one chat completion and prints the answer, then does the same with a bf16 KV cache given
@@ -87,7 +87,7 @@ def serve_and_chat(
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m vllm_nvfp4_plugin.demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vllm_nvfp4_plugin.tools.demo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-tokens", type=int, default=48)

@@ -1,4 +1,4 @@
-"""Self-check of the plugin on this machine: `python -m vllm_nvfp4_plugin.doctor [--device cpu|cuda|all]`.
+"""Self-check of the plugin on this machine: `python -m vllm_nvfp4_plugin.tools.doctor [--device cpu|cuda|all]`.
 
 On every available device it runs each compiled op on small random inputs against the plain-torch reference
 (the cache ops bit for bit, NHD and HND, linear and swizzled V scales; the indexer logits within 1e-4 of the
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import ops, reference
-from .attention.flashinfer_reader import (SWIZZLE_V_SCALES, FlashInferNVFP4Decoder,
+from .. import ops, reference
+from ..attention.flashinfer_reader import (SWIZZLE_V_SCALES, FlashInferNVFP4Decoder,
                                           flashinfer_decode_unavailable_reason)
-from .layout import IndexerCacheLayout, NVFP4PageLayout
+from ..layout import IndexerCacheLayout, NVFP4PageLayout
 
 HEAD_SIZE, KV_HEADS, Q_HEADS, BLOCK_SIZE = 128, 2, 8, 16
 K_SCALE, V_SCALE = 0.5, 2.0  # non-unit global scales, as a checkpoint may give
@@ -314,7 +314,7 @@ def device_summary(device: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_nvfp4_plugin.doctor", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vllm_nvfp4_plugin.tools.doctor", description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("all", "cpu", "cuda"), default="all")
     args = parser.parse_args(argv)
     rows = []

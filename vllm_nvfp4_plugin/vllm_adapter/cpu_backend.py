@@ -17,7 +17,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..attention import DequantWorkspace, NVFP4AttentionMetadata, paged_attention, store_kv
-from ..spec import customize_nvfp4_spec, page_view
+from .spec import customize_nvfp4_spec, page_view
 from .common import check_nvfp4_layer, core_metadata
 
 logger = init_logger("vllm.nvfp4_plugin.cpu")
@@ -35,6 +35,12 @@ class NVFP4CPUAttentionBackend(CPUAttentionBackend):
     dtype: the choice is per class, not per dtype, and the parent's kernels read only that one."""
 
     supported_kv_cache_dtypes: ClassVar[list] = [*CPUAttentionBackend.supported_kv_cache_dtypes, "nvfp4"]
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        # vLLM 0.33's CPU backend also demands AVX-512/AMX for every quantized dtype (its FP8 kernels' need);
+        # the plugin's NVFP4 kernels run on any x86-64.
+        return _is_nvfp4(kv_cache_dtype or "") or super().supports_kv_cache_dtype(kv_cache_dtype)
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:

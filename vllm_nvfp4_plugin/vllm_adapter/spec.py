@@ -14,8 +14,8 @@ from dataclasses import replace
 import torch
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from .attention.core import SUPPORTED_HEAD_SIZES
-from .layout import NVFP4PageLayout
+from ..attention.core import SUPPORTED_HEAD_SIZES
+from ..layout import NVFP4PageLayout
 
 NVFP4_KV_CACHE_DTYPE = "nvfp4"
 # Layouts in which each block's [H, N, C] bytes are one run: head-major (HND) or token-major (NHD) interiors.

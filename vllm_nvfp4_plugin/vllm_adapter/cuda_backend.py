@@ -22,7 +22,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ..attention import SUPPORTED_HEAD_SIZES, DequantWorkspace, store_kv
 from ..attention.flashinfer_reader import (SWIZZLE_V_SCALES, CudaBatch, FlashInferNVFP4Decoder,
                                            cuda_paged_attention, flashinfer_decode_unavailable_reason, plan_batch)
-from ..spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPE, customize_nvfp4_spec, page_view
+from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPE, customize_nvfp4_spec, page_view
 from .common import check_nvfp4_layer, core_metadata
 
 logger = init_logger("vllm.nvfp4_plugin.cuda")
