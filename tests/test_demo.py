@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from vllm_nvfp4_plugin import demo
+from vllm_nvfp4_plugin.tools import demo
 
 # One NVFP4 element costs 1/2 byte of data + 1/16 byte of block scale; bf16 costs 2 bytes.
 NVFP4_OVER_BF16_BYTES = 2 / (1 / 2 + 1 / 16)

@@ -5,7 +5,7 @@ import sys
 
 import torch
 
-from vllm_nvfp4_plugin import doctor
+from vllm_nvfp4_plugin.tools import doctor
 
 
 def test_doctor_cli_passes_on_cpu():
