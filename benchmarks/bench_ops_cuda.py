@@ -1,14 +1,14 @@
-"""CUDA timings of the four ops at the issue's target shapes, beside a same-run copy and FlashInfer's writer.
+"""CUDA timings of the four cache ops at their target shapes, beside a same-run copy and FlashInfer's writer.
 
 `python benchmarks/bench_ops.py --device cuda` appends this report to its own table; alone:
 `python benchmarks/bench_ops_cuda.py [--flashinfer] [--reference] [--out FILE]`.
 
-Shapes are the issue's targets (bf16, head 128, 8 KV heads, NVFP4 page 16, indexer block 64). Each op is
+Shapes: bf16, head 128, 8 KV heads, NVFP4 page 16, indexer block 64. Each op is
 captured in a CUDA graph of several calls and the graph replayed; the median replay time per call is
 reported with the effective bandwidth: the bytes the op must read plus the bytes it must write, over that
 time. Slots and blocks are random permutations; inputs that fit in the 60 MB L2 rotate over several copies.
 The torch reference runs eagerly (it syncs on the host) as the speed floor. `--settle-ms MS` adds a second
-reading of every graph-timed row, after MS ms of further replays (RESULTS.md, sixth pass: the random-slot NVFP4
+reading of every graph-timed row, after MS ms of further replays (on an H200 the random-slot NVFP4
 store reads ~4% slower after 200 ms of continuous replays; the other rows stay within 1%).
 
 FlashInfer (`--flashinfer`) writes the same inputs into the same page bytes (strided views of the

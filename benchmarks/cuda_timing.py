@@ -11,7 +11,7 @@ def capture_graph(calls: list, repeat: int = 1, warmup_rounds: int = 1) -> torch
 
     Not `with torch.cuda.graph(...)`: that empties the caching allocator first, handing the earlier cases' memory
     back to the driver, and the driver's own work on freed memory then takes HBM bandwidth during the first ~10 ms
-    of the timing (after 5 GiB freed, a copy read 11% and the indexer store 9% slower; RESULTS.md, sixth pass)."""
+    of the timing (after 5 GiB freed, a copy read 11% and the indexer store 9% slower on an H200; docs/GPU.md)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()

@@ -1,20 +1,21 @@
 """vLLM's engine on one GPU with the plugin: the CUSTOM backend serving an NVFP4 KV cache, end to end.
 
-For tiny random Llamas of head size 64, 128 and 256 (`models.tiny_llama_path`), each engine in its own
-interpreter (tests/vllm_jobs.py), eager, vLLM's custom ops off (`custom_ops=["none"]`, IR ops native):
-- `nvfp4`: `kv_cache_dtype="nvfp4"`, `attention_backend="CUSTOM"`, FlashInfer importable: heads 128/256 decode
-  through FlashInfer's fa2, prefill through the core; head 64 through the core only;
-- `nvfp4-core` (heads 128/256): the same without FlashInfer on the path: every request through the core;
+For tiny random Llamas of head size 64, 128 and 256 (`tools.models.tiny_llama_path`), each engine in its own
+interpreter (tests/vllm_jobs.py), eager, on vLLM's PyTorch/Triton code paths (`custom_ops=["none"]`, native IR
+ops, the V1 model runner), so no compiled vLLM kernel is needed:
+- `nvfp4`: `kv_cache_dtype="nvfp4"`, `attention_backend="CUSTOM"`: with FlashInfer importable, heads 128/256
+  decode through FlashInfer's fa2 and prefill through the core; head 64 always goes through the core;
+- `nvfp4-core` (heads 128/256, only with `--flashinfer-path`): the same with FlashInfer left off the path, so
+  every request goes through the core;
 - `bf16`: the same model with a bf16 KV cache on vLLM's TRITON_ATTN backend, the reference.
-vLLM's own compiled kernels are not there (benchmarks/h200_vllm_harness.py says why and what stands in), so the
-engines run vLLM's V1 model runner and vLLM's PyTorch/Triton code paths.
 Every engine runs the same greedy requests: prompts prefilled in chunks of 64 tokens (so later chunks attend
 to earlier ones through the cache), then two prompts sharing a ~500-token prefix (prefix cache hits), then a
 batch of short prompts. Prints a markdown table: the KV capacity vLLM reports for the same cache budget, the
 path each engine's log names, and greedy agreement of each engine's tokens with the bf16 engine's and of
-FlashInfer's with the core's.
+FlashInfer's with the core's. `--cpu` runs the same requests on vLLM's CPU platform instead. Score the outputs
+with benchmarks/score_engines.py: greedy texts of random models say little by themselves.
 
-    PYTHONPATH=<vLLM + deps> python benchmarks/h200_vllm_engine.py --flashinfer-path DIR [--out FILE]
+    python benchmarks/vllm_engines.py [--flashinfer-path DIR] [--cpu] [--out DIR]
 """
 
 from __future__ import annotations
@@ -58,13 +59,13 @@ def llm_args(kv_cache_dtype: str, backend: str | None) -> dict:
             "gpu_memory_utilization": 0.05, "dtype": "bfloat16", "max_num_batched_tokens": CHUNK,
             "max_num_seqs": 8, "kv_cache_dtype": kv_cache_dtype, "attention_backend": backend or "auto",
             "compilation_config": {"custom_ops": ["none"]},
-            # vLLM's compiled RMSNorm is not built here: the IR ops take their native implementation first.
+            # vLLM's PyTorch RMSNorm, so the run does not depend on vLLM's compiled kernels.
             "kernel_config": {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}}}
 
 
 def engine_env(python_path: str) -> dict[str, str]:
-    # Model Runner V2 (vLLM's default on CUDA) maps host buffers into the GPU with a kernel of vLLM's own, not
-    # built in this harness: the V1 runner. Greedy sampling needs no FlashInfer sampler.
+    # Model Runner V2 (vLLM's default on CUDA) maps host buffers into the GPU with a compiled kernel of vLLM's
+    # own: the V1 runner. Greedy sampling needs no FlashInfer sampler.
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                VLLM_USE_V2_MODEL_RUNNER="0", VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONPATH=python_path)
     env.pop("VLLM_PLUGINS", None)
@@ -88,14 +89,14 @@ def agreement(run: dict, ref: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--flashinfer-path", help="folder holding the flashinfer package (GPU runs)")
+    parser.add_argument("--flashinfer-path",
+                        help="folder holding FlashInfer outside the default path: the nvfp4 engines get it, and "
+                             "nvfp4-core engines run without it")
     parser.add_argument("--cpu", action="store_true",
                         help="run the same requests on vLLM's CPU platform instead (engines cpu-nvfp4, cpu-bf16): "
-                             "the plugin's CPU path, which calibrates benchmarks/h200_vllm_score.py's scores")
+                             "the plugin's CPU path, which calibrates benchmarks/score_engines.py's scores")
     parser.add_argument("--out", help="folder: engine.md (the table), engine.json (the outputs), engine_*.log")
     args = parser.parse_args()
-    if not args.cpu and not args.flashinfer_path:
-        parser.error("--flashinfer-path is needed for the GPU engines")
     base_path = os.environ.get("PYTHONPATH", "")
     with_flashinfer = os.pathsep.join(p for p in (args.flashinfer_path or "", base_path) if p)
 
@@ -108,7 +109,7 @@ def main() -> None:
             jobs[(head, "cpu-bf16")] = ({**job, "llm": llm_args("auto", None)}, base_path)
             continue
         jobs[(head, "nvfp4")] = ({**job, "llm": llm_args("nvfp4", "CUSTOM")}, with_flashinfer)
-        if head != 64:
+        if head != 64 and args.flashinfer_path:
             jobs[(head, "nvfp4-core")] = ({**job, "llm": llm_args("nvfp4", "CUSTOM")}, base_path)
         jobs[(head, "bf16")] = ({**job, "llm": llm_args("auto", "TRITON_ATTN")}, with_flashinfer)
 

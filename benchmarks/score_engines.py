@@ -1,4 +1,4 @@
-"""Score the H200 engines' greedy tokens (benchmarks/h200_vllm_engine.py's engine.json) against fp32 references.
+"""Score vLLM engines' greedy tokens (benchmarks/vllm_engines.py's engine.json) against fp32 references.
 
 The tiny models are random, so their next-token logits are nearly tied and two correct engines that differ
 only by rounding soon pick different tokens: comparing greedy texts says little. Instead each engine's own
@@ -10,10 +10,10 @@ sequence (prompt + its generated tokens) is fed, teacher-forced, through the sam
 For each engine: the fraction of its generated tokens that are the reference's argmax, and the mean logit gap
 (reference max logit − logit of the engine's token). An engine computing what its cache implies agrees best with
 the reference of its own cache. Runs on the CPU (no GPU needed): the tiny models are rebuilt by
-`models.tiny_llama_path` with the same seed; the scores themselves show whether the weights match (a bf16
+`tools.models.tiny_llama_path` with the same seed; the scores themselves show whether the weights match (a bf16
 engine scored ~100% against the bf16 reference cannot come from other weights).
 
-    python benchmarks/h200_vllm_score.py ENGINE_JSON [ENGINE_JSON ...]   (e.g. the H200's and the CPU's)
+    python benchmarks/score_engines.py ENGINE_JSON [ENGINE_JSON ...]   (e.g. a GPU run and a --cpu run)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from vllm_nvfp4_plugin.tools.models import tiny_llama_path
 from vllm_nvfp4_plugin.reference import nvfp4_decode, nvfp4_encode
 
-from h200_vllm_engine import BATCHES, agreement
+from vllm_engines import BATCHES, agreement
 
 REFERENCES = ("bf16 KV", "NVFP4 KV")
 
