@@ -6,10 +6,11 @@ largest logit, as their float32 sums run in the kernel's own order), then writes
 and reads it back through the reader the attention backend uses there: FlashInfer's fa2 decode on a CUDA
 device it supports, the plugin's own gather elsewhere. The read-back is compared with exact float32 attention
 over the reference-dequantized cache. A last row reads a cache with swizzled V scales through the linear
-reader and must see the damage (vLLM issue 50084), which proves the read-back check can fail.
+reader and must see the damage (a V-scale order mix-up corrupts V silently: docs/FORMATS.md §1), which proves
+the read-back check can fail.
 
-Prints a pass/fail table with the layout detected from the cache strides (vLLM issue 49012) and the V-scale
-order, and exits non-zero if any row fails.
+Prints a pass/fail table with the layout detected from the cache strides (a cache read with the wrong one is
+garbage) and the V-scale order, and exits non-zero if any row fails.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .. import ops, reference
 from ..attention.flashinfer_reader import (SWIZZLE_V_SCALES, FlashInferNVFP4Decoder,
                                           flashinfer_decode_unavailable_reason)
 from ..layout import IndexerCacheLayout, NVFP4PageLayout
+from .paged_case import PagedCase, fp32_attention, shuffled_block_table, table_slots
 
 HEAD_SIZE, KV_HEADS, Q_HEADS, BLOCK_SIZE = 128, 2, 8, 16
 K_SCALE, V_SCALE = 0.5, 2.0  # non-unit global scales, as a checkpoint may give
@@ -56,36 +58,22 @@ def _order(swizzle: bool) -> str:
     return "swizzled" if swizzle else "linear"
 
 
-def _sequences(gen: torch.Generator, num_blocks: int, seq_lens=SEQ_LENS):
-    """(block_table int32 with shuffled blocks, cu_seq_lens int32, slot of every token in sequence order)."""
-    blocks_per_seq = [(n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in seq_lens]
-    perm = torch.randperm(num_blocks, generator=gen)
-    table = torch.full((len(seq_lens), max(blocks_per_seq)), -1, dtype=torch.int32)  # -1: unused entries
-    slots, start = [], 0
-    for b, (n, used) in enumerate(zip(seq_lens, blocks_per_seq)):
-        table[b, :used] = perm[start:start + used]
-        start += used
-        pos = torch.arange(n)
-        slots.append(table[b, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
-    cu = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(seq_lens).cumsum(0)
-    return table, cu, torch.cat(slots)
-
-
 def _written_cache(device, hnd: bool, swizzle: bool, gen: torch.Generator):
-    """A cache holding SEQ_LENS tokens written by the plugin's store on `device`, with its inputs."""
+    """A cache holding SEQ_LENS tokens (shuffled blocks) written by the plugin's store on `device`, with its inputs
+    and one decode query per sequence."""
     layout = NVFP4PageLayout(HEAD_SIZE, BLOCK_SIZE, KV_HEADS, hnd, swizzle)
-    num_blocks = sum((n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in SEQ_LENS) + 2
-    table, cu, slots = _sequences(gen, num_blocks)
-    total = int(cu[-1])
-    key = torch.randn(total, KV_HEADS, HEAD_SIZE, generator=gen).to(torch.bfloat16)
-    value = torch.randn(total, KV_HEADS, HEAD_SIZE, generator=gen).to(torch.bfloat16)
-    slots[torch.randperm(total, generator=gen)[:3]] = -1  # padding tokens: skipped
-    cache = layout.allocate(num_blocks, device, fill=0)
+    case = PagedCase([(1, n) for n in SEQ_LENS], layout, Q_HEADS, gen, k_scale=K_SCALE, v_scale=V_SCALE,
+                     unused_entry=-1)
+    key, value, slots = case.context_tokens()
+    cu = torch.zeros(len(SEQ_LENS) + 1, dtype=torch.int32)
+    cu[1:] = torch.tensor(SEQ_LENS).cumsum(0)
+    slots[torch.randperm(len(slots), generator=gen)[:3]] = -1  # padding tokens: skipped
+    cache = layout.allocate(case.num_blocks, device, fill=0)
     scales = torch.tensor([K_SCALE]), torch.tensor([V_SCALE])
     ops.reshape_and_cache_nvfp4(key.to(device), value.to(device), cache[:, 0], cache[:, 1], slots.to(device),
                                 scales[0].to(device), scales[1].to(device), swizzle)
-    return dict(layout=layout, cache=cache, table=table, cu=cu, key=key, value=value, slots=slots, scales=scales)
+    return dict(layout=layout, cache=cache, table=case.block_table, cu=cu, key=key, value=value, slots=slots,
+                scales=scales, q=torch.cat(case.q))
 
 
 def check_store(device, hnd: bool, swizzle: bool, gen: torch.Generator) -> Row:
@@ -184,8 +172,8 @@ def check_indexer_logits(device, gen: torch.Generator) -> Row:
 def check_indexer_paged_logits(device, gen: torch.Generator) -> Row:
     """Decode logits (2 tokens a request) straight from an indexer cache the plugin's store wrote."""
     layout = IndexerCacheLayout(128, BLOCK_SIZE, 128)
-    num_blocks = sum((n + BLOCK_SIZE - 1) // BLOCK_SIZE for n in SEQ_LENS) + 2
-    table, _, slots = _sequences(gen, num_blocks)
+    table, num_blocks = shuffled_block_table(SEQ_LENS, BLOCK_SIZE, gen, unused_entry=-1)
+    slots = torch.cat([table_slots(table, BLOCK_SIZE, r, 0, n) for r, n in enumerate(SEQ_LENS)])
     k = (torch.randn(slots.numel(), 128, generator=gen) * torch.rand(slots.numel(), 1, generator=gen) * 10)
     cache = layout.allocate(num_blocks, device, fill=0)
     ops.indexer_k_quant_and_cache(k.to(device, torch.bfloat16), cache, slots.to(device), 128, "")
@@ -201,11 +189,8 @@ def check_indexer_paged_logits(device, gen: torch.Generator) -> Row:
 
 
 def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """float32 softmax(q k^T / sqrt(d)) v of one decode query `[q_heads, d]` over `[L, kv_heads, d]` (GQA)."""
-    group = q.shape[0] // k.shape[1]
-    k, v = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
-    logits = torch.einsum("hd,lhd->hl", q.float(), k) / math.sqrt(q.shape[-1])
-    return torch.einsum("hl,lhd->hd", logits.softmax(-1), v)
+    """float32 attention of one decode query `[q_heads, d]` over `[L, kv_heads, d]` (GQA)."""
+    return fp32_attention(q.unsqueeze(0), k, v, 1 / math.sqrt(q.shape[-1]))[0]
 
 
 def _reader_name(device) -> str:
@@ -248,10 +233,10 @@ def check_read_back(device, hnd: bool, gen: torch.Generator, written_swizzled: b
     """Store with the plugin, decode through the backend's reader (linear V scales), compare with exact attention.
 
     With `written_swizzled` the cache is written in trtllm-gen's V-scale order instead: the linear reader must
-    then be off by far more than the tolerance, or the check could not catch vLLM issue 50084.
+    then be off by far more than the tolerance, or the check could not catch a V-scale order mix-up.
     """
     w = _written_cache(device, hnd, written_swizzled, gen)
-    q = torch.randn(len(SEQ_LENS), Q_HEADS, HEAD_SIZE, generator=gen).to(device, torch.bfloat16)
+    q = w["q"].to(device)
     got = _read_attention(device, w, q, SWIZZLE_V_SCALES)
     exact = _exact_read_back(w, q, written_swizzled)
     rel_l2 = ((got - exact).norm() / exact.norm()).item()
