@@ -27,7 +27,7 @@ from vllm_nvfp4_plugin import ops, reference
 from vllm_nvfp4_plugin.attention.flashinfer_reader import nvfp4_flashinfer_views
 from vllm_nvfp4_plugin.layout import IndexerCacheLayout, NVFP4PageLayout
 
-from cuda_timing import capture_graph, event_median_ms as median_ms
+from cuda_timing import capture_graph, print_report, event_median_ms as median_ms
 
 HEADS, HEAD, PAGE = 8, 128, 16
 INDEXER = IndexerCacheLayout(128, 64, 128)
@@ -309,11 +309,7 @@ def main():
     args = parser.parse_args()
     if args.once:
         return run_once_each()
-    text = report(args.flashinfer, args.reference, args.settle_ms)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_report(report(args.flashinfer, args.reference, args.settle_ms), args.out)
 
 
 if __name__ == "__main__":
