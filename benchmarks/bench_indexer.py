@@ -10,7 +10,7 @@ Floors, from ceilings measured in the same run: bytes at the same-run copy bandw
 2 GiB: read + written; decode: the FP8 cache it reads + the logits it writes; prefill: the float32 logits written,
 and read back by the top-k) and the visible q·k FLOPs at the same-run dense FP8 matmul rate (torch._scaled_mm,
 cuBLAS on wgmma: the FP8 tensor cores' ceiling, above what mma.sync reaches); the larger of the two bounds the
-step. Blocks are a random permutation; the 277 MB decode cache is 4.6× the 60 MB L2. A spot check compares one
+step. Blocks are a random permutation; the 277 MB decode cache is 4.6× an H200's 60 MB L2. A spot check compares one
 decode row and one prefill row with reference.py's float64 logits. Prints a markdown table; `--out FILE` writes
 it there too.
 """

@@ -6,7 +6,7 @@
 Shapes: bf16, head 128, 8 KV heads, NVFP4 page 16, indexer block 64. Each op is
 captured in a CUDA graph of several calls and the graph replayed; the median replay time per call is
 reported with the effective bandwidth: the bytes the op must read plus the bytes it must write, over that
-time. Slots and blocks are random permutations; inputs that fit in the 60 MB L2 rotate over several copies.
+time. Slots and blocks are random permutations; inputs that fit in an L2 (60 MB on an H200) rotate over four copies.
 The torch reference runs eagerly (it syncs on the host) as the speed floor. `--settle-ms MS` adds a second
 reading of every graph-timed row, after MS ms of further replays (on an H200 the random-slot NVFP4
 store reads ~4% slower after 200 ms of continuous replays; the other rows stay within 1%).
