@@ -16,6 +16,18 @@ TORCH_TARGET_VERSION = "-DTORCH_TARGET_VERSION=0x020a000000000000"
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+# Every architecture the CUDA kernels support: SM80 is their floor (cp.async, fp16 mma.sync), its PTX runs on
+# later GPUs; SM89 has hardware FP8 conversions; the `a` targets of SM100/SM103/SM120/SM121 use the hardware
+# E2M1 conversion (docs/GPU.md). TORCH_CUDA_ARCH_LIST overrides this list.
+CUDA_ARCHS = ["8.0+PTX", "8.9", "9.0a", "10.0a", "12.0a"]
+CUDA_ARCHS_12_9 = ["10.3a", "12.1a"]  # need CUDA 12.9 or newer
+
+
+def default_cuda_archs(cuda_version: str) -> str:
+    major, minor = (int(part) for part in cuda_version.split(".")[:2])
+    return ";".join(CUDA_ARCHS + (CUDA_ARCHS_12_9 if (major, minor) >= (12, 9) else []))
+
+
 def extension():
     use_cuda = torch.version.cuda is not None and CUDA_HOME is not None
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
@@ -25,10 +37,10 @@ def extension():
     args = {"cxx": cxx}
     if use_cuda:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a;10.0a")
-        # USE_CUDA declares the shim's current-stream getter; NVFP4_WITH_CUDA compiles the CUDA registrations in.
-        cxx += ["-DUSE_CUDA", "-DNVFP4_WITH_CUDA"]
-        args["nvcc"] = ["-O3", "-fmad=false", TORCH_TARGET_VERSION, "-DUSE_CUDA", "-DNVFP4_WITH_CUDA"]
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", default_cuda_archs(torch.version.cuda))
+        # USE_CUDA declares the stable ABI's current-stream getter.
+        cxx += ["-DUSE_CUDA"]
+        args["nvcc"] = ["-O3", "-fmad=false", TORCH_TARGET_VERSION, "-DUSE_CUDA"]
     make = CUDAExtension if use_cuda else CppExtension
     return make("vllm_nvfp4_plugin._C", sources, include_dirs=[os.path.join(ROOT, "csrc")],
                 extra_compile_args=args, extra_link_args=["-fopenmp"], py_limited_api=True)

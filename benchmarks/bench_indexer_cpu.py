@@ -6,11 +6,12 @@
 
 GFLOP/s counts 2·heads·head_dim multiply-adds per visible (row, key) pair, the work the formula needs; the
 peak to hold them against is the core's FMA throughput (Zen 4: two 256-bit FMAs a cycle, 116 GFLOP/s a core
-measured on this VM by a 12-chain register-only FMA loop at ~3.6 GHz). Times are medians of `--repeats` calls
+measured on a Zen 4 core by a 12-chain register-only FMA loop at ~3.6 GHz). Times are medians of `--repeats` calls
 after one warm-up, per thread count (`torch.set_num_threads`, which sets the ops' OpenMP team).
 
-`--torch-core FILE` also times the torch-matmul path that indexer/core.py had before the ops (a copy of that
-file, e.g. `git show 04411d3:vllm_nvfp4_plugin/indexer/core.py > /tmp/old_core.py`), imported by path.
+`--torch-core FILE` also times a torch-matmul implementation of the same logits for comparison: a Python file
+defining `fp8_paged_mqa_logits` and `fp8_mqa_logits` (e.g. the plain-torch indexer core the ops replaced,
+`git show 04411d3:vllm_nvfp4_plugin/indexer/core.py > /tmp/torch_core.py`), imported by path.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bandwidth of the four cache ops next to a same-run memcpy of the same bytes.
 
-    python benchmarks/bench_ops.py --device cpu [--append benchmarks/RESULTS.md]
+    python benchmarks/bench_ops.py [--device cpu|cuda] [--threads N] [--repeats N] [--append FILE.md] [--note TEXT]
 
 For each op, "bytes" is what the op must read plus write (activations, cache entries, indices); the
 memcpy row copies half that many bytes, so it moves the same total. Sizes are tens of MB, beyond any L2.
@@ -105,7 +105,7 @@ def benches(device: str, dtype=torch.bfloat16) -> list[Bench]:
 
 def memcpy_bench(total_bytes: int, device: str) -> Bench:
     """A copy of total_bytes / 2. CUDA: an SM kernel (int32 `bitwise_or` with 0), since the graph would run a
-    `copy_` on the copy engines, which reach only 2.2-3.1 TB/s of the H200's 4.2."""
+    `copy_` on the copy engines, which reach only 2.2-3.1 TB/s where an SM kernel copies at 4.2 (H200)."""
     src = torch.randint(0, 256, (total_bytes // 8 * 4,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     if device == "cpu":
@@ -186,7 +186,7 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, help="CPU threads for the ops and the memcpy (default: torch's)")
-    parser.add_argument("--append", metavar="RESULTS_MD", help="append a results block to this markdown file")
+    parser.add_argument("--append", metavar="RESULTS_MD", help="append the results block (commit, machine, date, table) to this markdown file")
     parser.add_argument("--note", default="", help="a line on the conditions (machine load, ...) for the block")
     args = parser.parse_args()
     if args.threads:
@@ -198,7 +198,7 @@ def main():
     block = (f"### {args.device} · commit {commit} · {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC\n\n"
              f"{device_name(args.device)}; load average {load}; median of {args.repeats}."
              f"{' ' + args.note if args.note else ''}\n\n{table(rows, args.device)}\n")
-    if args.device == "cuda":  # the issue's target shapes, beside a copy and (when installed) FlashInfer's writer
+    if args.device == "cuda":  # the target shapes, beside a copy and (when installed) FlashInfer's writer
         import bench_ops_cuda
         block += "\n" + bench_ops_cuda.report(importlib.util.find_spec("flashinfer") is not None, False) + "\n"
     print(block)

@@ -1,4 +1,4 @@
-"""Device timing shared by the CUDA benchmarks."""
+"""Device timing and report output shared by the CUDA benchmarks."""
 
 import statistics
 
@@ -11,7 +11,7 @@ def capture_graph(calls: list, repeat: int = 1, warmup_rounds: int = 1) -> torch
 
     Not `with torch.cuda.graph(...)`: that empties the caching allocator first, handing the earlier cases' memory
     back to the driver, and the driver's own work on freed memory then takes HBM bandwidth during the first ~10 ms
-    of the timing (after 5 GiB freed, a copy read 11% and the indexer store 9% slower; RESULTS.md, sixth pass)."""
+    of the timing (after 5 GiB freed, a copy read 11% and the indexer store 9% slower on an H200; docs/GPU.md)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
@@ -43,3 +43,11 @@ def event_median_ms(fn, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def print_report(text: str, out: str | None) -> None:
+    """Print a benchmark's markdown report, and write it to `out` too when given."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")

@@ -11,7 +11,7 @@ Prompts, answer extraction (`strict-match`, `flexible-extract`) and scoring are 
 harness calls `lm_eval.simple_evaluate` on the stock `gsm8k` task, or, with --data-dir and/or
 --fewshot-sampler first_n, on a task that includes the stock YAML and only swaps the data source
 for local jsonl files and/or the few-shot sampler. Then, without needing task accuracy, it measures
-the KV cache's next-token fidelity (vllm_nvfp4_plugin.fidelity) on the same prompts. See README.md.
+the KV cache's next-token fidelity (vllm_nvfp4_plugin.tools.fidelity) on the same prompts. See README.md.
 """
 
 from __future__ import annotations
@@ -360,7 +360,7 @@ def measure_fidelity(runs: list[Run], args: argparse.Namespace) -> list[dict]:
     """Teacher-forced next-token agreement of each candidate KV dtype with the baseline, on lm-eval's
     prompts of the first shot count followed by the reference answers. The plugin's measure reads
     only decode steps, whose query attends to the context through the (quantized) paged cache."""
-    from vllm_nvfp4_plugin.fidelity import teacher_forced_agreement
+    from vllm_nvfp4_plugin.tools.fidelity import teacher_forced_agreement
 
     baseline_dtype, shots = args.kv_cache_dtypes[0], args.num_fewshot[0]
     baseline = next(r for r in runs if r.kv_cache_dtype == baseline_dtype and r.num_fewshot == shots)

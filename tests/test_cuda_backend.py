@@ -12,10 +12,11 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
-from vllm_nvfp4_plugin import reference
-from vllm_nvfp4_plugin.backends import register_attention_backends
-from vllm_nvfp4_plugin.backends.cuda import NVFP4CudaBackend, NVFP4CudaMetadataBuilder, shared_decode_params
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
+from vllm_nvfp4_plugin.tools.paged_case import PagedCase
+from vllm_nvfp4_plugin.vllm_adapter import register_attention_backends
+from vllm_nvfp4_plugin.vllm_adapter.cuda_backend import (NVFP4CudaBackend, NVFP4CudaMetadataBuilder,
+                                                         shared_decode_params)
 
 HOPPER = DeviceCapability(9, 0)
 
@@ -112,10 +113,6 @@ def _vllm_layer_cache(num_blocks, num_kv_heads, block_size, full_dim, hnd):
     return physical.permute(0, 2, 1, 3)
 
 
-def _dequantized(x, g):
-    return reference.nvfp4_decode(*reference.nvfp4_encode(x, g), g)
-
-
 @pytest.mark.parametrize("hnd", [False, True])
 def test_builder_and_impl_match_fp32_attention(vllm_config, hnd):
     """Two decodes, a chunk over a cached prefix and a fresh prompt, plus padding rows, through
@@ -134,37 +131,18 @@ def test_builder_and_impl_match_fp32_attention(vllm_config, hnd):
     layer._k_scale_float, layer._v_scale_float = K_SCALE, V_SCALE
     builder = NVFP4CudaMetadataBuilder(spec, [layer.layer_name], vllm_config, torch.device("cpu"))
 
-    blocks_per_req = [-(-c // block) for _, c in requests]
-    num_blocks = sum(blocks_per_req) + 2
-    kv_cache = _vllm_layer_cache(num_blocks, kv_heads, block, spec.state_content_bytes, hnd)
-    order = torch.randperm(num_blocks, generator=gen)
-    table = torch.zeros(len(requests), max(blocks_per_req), dtype=torch.int32)
-    used = 0
-    for r, nb in enumerate(blocks_per_req):
-        table[r, :nb] = order[used:used + nb]
-        used += nb
-    ks = [torch.randn(c, kv_heads, d, generator=gen).bfloat16() for _, c in requests]
-    vs = [torch.randn(c, kv_heads, d, generator=gen).bfloat16() for _, c in requests]
-    qs = [torch.randn(n, heads, d, generator=gen).bfloat16() for n, _ in requests]
+    case = PagedCase(requests, NVFP4PageLayout(d, block, kv_heads), heads, gen, k_scale=K_SCALE, v_scale=V_SCALE)
+    kv_cache = _vllm_layer_cache(case.num_blocks, kv_heads, block, spec.state_content_bytes, hnd)
+    earlier_key, earlier_value, earlier_slots = case.earlier_tokens()  # earlier steps' tokens
+    impl.do_kv_cache_update(layer, earlier_key, earlier_value, kv_cache, earlier_slots)
 
-    def slots(r, positions):
-        return table[r, positions // block].long() * block + positions % block
-
-    for r, (n, c) in enumerate(requests):  # earlier steps' tokens
-        if c > n:
-            impl.do_kv_cache_update(layer, ks[r][:c - n], vs[r][:c - n], kv_cache, slots(r, torch.arange(c - n)))
-
-    query = torch.cat(qs + [torch.zeros(num_padding, heads, d, dtype=torch.bfloat16)])
-    key = torch.cat([k[c - n:] for k, (n, c) in zip(ks, requests)])
-    value = torch.cat([v[c - n:] for v, (n, c) in zip(vs, requests)])
-    slot_mapping = torch.cat([slots(r, torch.arange(c - n, c)) for r, (n, c) in enumerate(requests)])
-    query_start = torch.zeros(len(requests) + 1, dtype=torch.int32)
-    query_start[1:] = torch.cumsum(torch.tensor([n for n, _ in requests]), 0)
-    seq_lens = torch.tensor([c for _, c in requests], dtype=torch.int32)
+    _, key, value, slot_mapping = case.step()
+    query = case.step(num_padding)[0]
+    query_start, seq_lens = case.query_start_loc(), torch.tensor(case.seq_lens, dtype=torch.int32)
     common = CommonAttentionMetadata(
         query_start_loc=query_start, query_start_loc_cpu=query_start, seq_lens=seq_lens,
         num_reqs=len(requests), num_actual_tokens=int(query_start[-1]), max_query_len=12, max_seq_len=40,
-        block_table_tensor=table, slot_mapping=slot_mapping, seq_lens_cpu_upper_bound=seq_lens)
+        block_table_tensor=case.block_table, slot_mapping=slot_mapping, seq_lens_cpu_upper_bound=seq_lens)
     metadata = builder.build(0, common)
 
     impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
@@ -172,14 +150,6 @@ def test_builder_and_impl_match_fp32_attention(vllm_config, hnd):
     impl.forward(layer, query, key, value, kv_cache, metadata, output)
 
     out = output.view(query.shape)
-    start = 0
-    for r, (n, c) in enumerate(requests):
-        k = _dequantized(ks[r], K_SCALE).repeat_interleave(heads // kv_heads, 1)
-        v = _dequantized(vs[r], V_SCALE).repeat_interleave(heads // kv_heads, 1)
-        scores = torch.einsum("nhd,chd->hnc", qs[r].float(), k) * d ** -0.5
-        allowed = torch.arange(c)[None, :] <= torch.arange(n)[:, None] + (c - n)
-        expected = torch.einsum("hnc,chd->nhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
-        got = out[start:start + n].float()
-        assert ((got - expected).norm() / expected.norm()).item() <= 1e-2, f"request {r}"
-        start += n
-    assert torch.all(out[start:] == 7.0), "padding rows must stay untouched"
+    errors = case.errors(out, d ** -0.5)
+    assert max(errors) <= 1e-2, errors
+    assert torch.all(out[int(query_start[-1]):] == 7.0), "padding rows must stay untouched"

@@ -1,10 +1,10 @@
-"""The main job (python -m vllm_nvfp4_plugin.demo): two real `vllm serve` runs of SmolLM2, nvfp4 and bf16."""
+"""The main job (python -m vllm_nvfp4_plugin.tools.demo): two real `vllm serve` runs of SmolLM2, nvfp4 and bf16."""
 
 import re
 
 import pytest
 
-from vllm_nvfp4_plugin import demo
+from vllm_nvfp4_plugin.tools import demo
 
 # One NVFP4 element costs 1/2 byte of data + 1/16 byte of block scale; bf16 costs 2 bytes.
 NVFP4_OVER_BF16_BYTES = 2 / (1 / 2 + 1 / 16)

@@ -1,15 +1,15 @@
-"""`python -m vllm_nvfp4_plugin.doctor` on the CPU: every op against the reference, and the read-back checks."""
+"""`python -m vllm_nvfp4_plugin.tools.doctor` on the CPU: every op against the reference, and the read-back checks."""
 
 import subprocess
 import sys
 
 import torch
 
-from vllm_nvfp4_plugin import doctor
+from vllm_nvfp4_plugin.tools import doctor
 
 
 def test_doctor_cli_passes_on_cpu():
-    result = subprocess.run([sys.executable, "-m", "vllm_nvfp4_plugin.doctor", "--device", "cpu"],
+    result = subprocess.run([sys.executable, "-m", "vllm_nvfp4_plugin.tools.doctor", "--device", "cpu"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| cpu |")]
@@ -20,7 +20,7 @@ def test_doctor_cli_passes_on_cpu():
 
 
 def test_read_back_check_sees_a_wrong_v_scale_order():
-    """The linear reader over swizzled V scales (vLLM issue 50084) is off by far more than the tolerance."""
+    """The linear reader over swizzled V scales (docs/FORMATS.md §1) is off by far more than the tolerance."""
     gen = torch.Generator().manual_seed(0)
     good = doctor.check_read_back("cpu", False, gen)
     bad = doctor.check_read_back("cpu", False, gen, written_swizzled=True)

@@ -20,7 +20,7 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    from vllm_nvfp4_plugin.models import smollm2_path
+    from vllm_nvfp4_plugin.tools.models import smollm2_path
 
     return smollm2_path()
 

@@ -4,7 +4,6 @@ Small shapes keep each example in milliseconds, so the four tests run a few thou
 example whose inputs have no token to write or gather checks that the op leaves its outputs untouched.
 """
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st

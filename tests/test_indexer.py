@@ -26,11 +26,12 @@ from vllm.model_executor.layers.sparse_attn_indexer import SparseAttnIndexer  # 
 from vllm.model_executor.models.deepseek_v2 import DeepseekV32IndexerCache  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
-from vllm_nvfp4_plugin.indexer import core, register_indexer  # noqa: E402
-from vllm_nvfp4_plugin.indexer.metadata import (ChunkPlan, IndexerBackend, IndexerMetadataBuilder,  # noqa: E402
-                                                plan_prefill_chunks)
-from vllm_nvfp4_plugin.indexer.op import NVFP4SparseAttnIndexer  # noqa: E402
+from vllm_nvfp4_plugin.indexer import core  # noqa: E402
 from vllm_nvfp4_plugin.layout import IndexerCacheLayout  # noqa: E402
+from vllm_nvfp4_plugin.vllm_adapter import register_indexer  # noqa: E402
+from vllm_nvfp4_plugin.vllm_adapter.indexer_metadata import (  # noqa: E402
+    ChunkPlan, IndexerBackend, IndexerMetadataBuilder, plan_prefill_chunks)
+from vllm_nvfp4_plugin.vllm_adapter.indexer_op import NVFP4SparseAttnIndexer  # noqa: E402
 
 HEAD_DIM, QUANT_BLOCK, BLOCK_SIZE, HEADS, SCALE_FMT = 128, 128, 64, 16, "ue8m0"
 MAX_K_ROWS, MAX_LOGITS_BYTES = 1024, 4 * 120_000

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from vllm_nvfp4_plugin import models
+from vllm_nvfp4_plugin.tools import models
 
 
 @pytest.fixture(scope="module")

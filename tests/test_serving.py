@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from vllm_nvfp4_plugin.models import smollm2_path
-from vllm_nvfp4_plugin.server import VllmServer
+from vllm_nvfp4_plugin.tools.models import smollm2_path
+from vllm_nvfp4_plugin.tools.server import VllmServer
 
 MODEL_NAME = "smollm2"
 MAX_TOKENS = 16

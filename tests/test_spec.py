@@ -7,10 +7,10 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, KVQuant
 
 from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.attention import store_kv
-from vllm_nvfp4_plugin.backends.common import check_nvfp4_layer, core_metadata
-from vllm_nvfp4_plugin.backends.cpu import NVFP4CPUAttentionBackend
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
-from vllm_nvfp4_plugin.spec import HND_LAYOUTS, NHD_LAYOUTS, customize_nvfp4_spec, page_view
+from vllm_nvfp4_plugin.vllm_adapter.common import check_nvfp4_layer, core_metadata
+from vllm_nvfp4_plugin.vllm_adapter.cpu_backend import NVFP4CPUAttentionBackend
+from vllm_nvfp4_plugin.vllm_adapter.spec import HND_LAYOUTS, NHD_LAYOUTS, customize_nvfp4_spec, page_view
 
 
 def nvfp4_spec(head_size=64, num_kv_heads=3, block_size=32, **kw):
@@ -106,7 +106,7 @@ def test_layer_checks_name_what_is_unsupported():
 def test_impl_refuses_unsupported_features_and_defers_other_dtypes():
     from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
 
-    from vllm_nvfp4_plugin.models import tiny_llama_path
+    from vllm_nvfp4_plugin.tools.models import tiny_llama_path
 
     impl_cls = NVFP4CPUAttentionBackend.get_impl_cls()
     config = VllmConfig(model_config=ModelConfig(model=str(tiny_llama_path()), dtype="bfloat16"))

@@ -46,7 +46,7 @@ def describe_worker(worker) -> dict:
     import vllm_nvfp4_plugin
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
     from vllm_nvfp4_plugin.reference import gather_nvfp4_kv_cache
-    from vllm_nvfp4_plugin.spec import page_view
+    from vllm_nvfp4_plugin.vllm_adapter.spec import page_view
 
     context = worker.vllm_config.compilation_config.static_forward_context
     layers = {name: layer for name, layer in context.items() if hasattr(layer, "impl")}
@@ -129,7 +129,7 @@ def run_engine_process(model: Path, tensor_parallel_size: int, out: Path) -> dic
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> dict[int, dict]:
-    from vllm_nvfp4_plugin.models import tiny_llama_path
+    from vllm_nvfp4_plugin.tools.models import tiny_llama_path
 
     if len(ALLOWED_CPUS) < 2:
         pytest.skip(f"TP=2 with one core per rank needs 2 CPUs, this process may use {ALLOWED_CPUS}")

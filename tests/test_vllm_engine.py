@@ -13,9 +13,9 @@ import sys
 import pytest
 from vllm_jobs import run_job
 
-from vllm_nvfp4_plugin.backends import CPU_BACKEND
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
-from vllm_nvfp4_plugin.models import smollm2_path, tiny_llama_path
+from vllm_nvfp4_plugin.tools.models import smollm2_path, tiny_llama_path
+from vllm_nvfp4_plugin.vllm_adapter import CPU_BACKEND
 
 KV_CACHE_BYTES = 16 << 20  # the same cache budget for every engine here
 REGISTERED = "vllm_nvfp4_plugin registered attention backends"

@@ -34,7 +34,7 @@ def main(job: dict) -> None:
     if "fidelity" in job:
         from dataclasses import asdict
 
-        from vllm_nvfp4_plugin.fidelity import teacher_forced_agreement
+        from vllm_nvfp4_plugin.tools.fidelity import teacher_forced_agreement
 
         print("RESULT " + json.dumps(asdict(teacher_forced_agreement(**job["fidelity"]))))
         return

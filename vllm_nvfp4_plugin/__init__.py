@@ -1,7 +1,8 @@
 """vLLM plugin: NVFP4 KV cache, its ops and attention backends, and a sparse-indexer backend.
 
 vLLM calls `register()` (entry point `vllm.general_plugins`) in every process it starts, so it is
-idempotent and cheap: it only imports the adapters and registers them with vLLM's registries.
+idempotent and cheap: it only imports `vllm_adapter` (the one subpackage that touches vLLM) and
+registers the adapters with vLLM's registries.
 """
 
 _registered = False
@@ -12,8 +13,6 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from .backends import register_attention_backends
-    from .indexer import register_indexer
+    from .vllm_adapter import register_all
 
-    register_attention_backends()
-    register_indexer()
+    register_all()

@@ -1,0 +1,153 @@
+"""vLLM's engine on one GPU with the plugin: the CUSTOM backend serving an NVFP4 KV cache, end to end.
+
+For tiny random Llamas of head size 64, 128 and 256 (`tools.models.tiny_llama_path`), each engine in its own
+interpreter (tests/vllm_jobs.py), eager, on vLLM's PyTorch/Triton code paths (`custom_ops=["none"]`, native IR
+ops, the V1 model runner), so no compiled vLLM kernel is needed:
+- `nvfp4`: `kv_cache_dtype="nvfp4"`, `attention_backend="CUSTOM"`: with FlashInfer importable, heads 128/256
+  decode through FlashInfer's fa2 and prefill through the core; head 64 always goes through the core;
+- `nvfp4-core` (heads 128/256, only with `--flashinfer-path`): the same with FlashInfer left off the path, so
+  every request goes through the core;
+- `bf16`: the same model with a bf16 KV cache on vLLM's TRITON_ATTN backend, the reference.
+Every engine runs the same greedy requests: prompts prefilled in chunks of 64 tokens (so later chunks attend
+to earlier ones through the cache), then two prompts sharing a ~500-token prefix (prefix cache hits), then a
+batch of short prompts. Prints a markdown table: the KV capacity vLLM reports for the same cache budget, the
+path each engine's log names, and greedy agreement of each engine's tokens with the bf16 engine's and of
+FlashInfer's with the core's. `--cpu` runs the same requests on vLLM's CPU platform instead. Score the outputs
+with benchmarks/score_engines.py: greedy texts of random models say little by themselves.
+
+    python benchmarks/vllm_engines.py [--flashinfer-path DIR] [--cpu] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from vllm_jobs import run_job  # noqa: E402
+
+from vllm_nvfp4_plugin.tools.models import tiny_llama_path  # noqa: E402
+
+KV_CACHE_BYTES = 64 << 20
+CHUNK = 64  # max_num_batched_tokens: the long prompts are prefilled in several chunks
+MAX_TOKENS = 32
+SYSTEM = ("You are a careful geography tutor. Answer every question with the name of the city first, "
+          "then one short sentence of explanation. ") + " ".join(
+    f"Fact {i}: the river, mountain and coastline records of region {i} were checked by the survey team."
+    for i in range(1, 25))
+BATCHES = [[SYSTEM + " First question."],
+           [SYSTEM + " Second.", SYSTEM + " Third."],
+           ["The quick brown fox", "Once upon a time", "The capital of France is", "1, 2, 3, 4,"]]
+# The plugin's "registered attention backends" line is not in an in-process engine's log (it is logged before
+# vLLM's handler exists); vLLM's backend line and the plugin backend's own lines show the registration.
+LOG_LINES = {
+    "custom_backend": "Using AttentionBackendEnum.CUSTOM backend",
+    "custom_layers": "NVFP4 KV cache attention on CUDA",
+    "flashinfer_decode": "NVFP4 decode through FlashInfer fa2",
+    "core_only": "NVFP4 attention through the core only",
+}
+
+
+def llm_args(kv_cache_dtype: str, backend: str | None) -> dict:
+    """`backend` None: vLLM's choice (on the CPU platform, CPU_ATTN, which the plugin overrides)."""
+    return {"enforce_eager": True, "max_model_len": 1024, "kv_cache_memory_bytes": KV_CACHE_BYTES,
+            "gpu_memory_utilization": 0.05, "dtype": "bfloat16", "max_num_batched_tokens": CHUNK,
+            "max_num_seqs": 8, "kv_cache_dtype": kv_cache_dtype, "attention_backend": backend or "auto",
+            "compilation_config": {"custom_ops": ["none"]},
+            # vLLM's PyTorch RMSNorm, so the run does not depend on vLLM's compiled kernels.
+            "kernel_config": {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}}}
+
+
+def engine_env(python_path: str) -> dict[str, str]:
+    # Model Runner V2 (vLLM's default on CUDA) maps host buffers into the GPU with a compiled kernel of vLLM's
+    # own: the V1 runner. Greedy sampling needs no FlashInfer sampler.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               VLLM_USE_V2_MODEL_RUNNER="0", VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONPATH=python_path)
+    env.pop("VLLM_PLUGINS", None)
+    return env
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def agreement(run: dict, ref: dict) -> str:
+    """`exact/requests, mean common-prefix fraction` of greedy tokens."""
+    pairs = list(zip(run["outputs"], ref["outputs"]))
+    exact = sum(a["token_ids"] == b["token_ids"] for a, b in pairs)
+    prefix = sum(common_prefix(a["token_ids"], b["token_ids"]) / max(len(b["token_ids"]), 1) for a, b in pairs)
+    return f"{exact}/{len(pairs)} identical, prefix {prefix / len(pairs):.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flashinfer-path",
+                        help="folder holding FlashInfer outside the default path: the nvfp4 engines get it, and "
+                             "nvfp4-core engines run without it")
+    parser.add_argument("--cpu", action="store_true",
+                        help="run the same requests on vLLM's CPU platform instead (engines cpu-nvfp4, cpu-bf16): "
+                             "the plugin's CPU path, which calibrates benchmarks/score_engines.py's scores")
+    parser.add_argument("--out", help="folder: engine.md (the table), engine.json (the outputs), engine_*.log")
+    args = parser.parse_args()
+    base_path = os.environ.get("PYTHONPATH", "")
+    with_flashinfer = os.pathsep.join(p for p in (args.flashinfer_path or "", base_path) if p)
+
+    jobs = {}
+    for head in (64, 128, 256):
+        model = str(tiny_llama_path(head_dim=head))
+        job = {"model": model, "max_tokens": MAX_TOKENS, "batches": BATCHES}
+        if args.cpu:
+            jobs[(head, "cpu-nvfp4")] = ({**job, "llm": llm_args("nvfp4", None)}, base_path)
+            jobs[(head, "cpu-bf16")] = ({**job, "llm": llm_args("auto", None)}, base_path)
+            continue
+        jobs[(head, "nvfp4")] = ({**job, "llm": llm_args("nvfp4", "CUSTOM")}, with_flashinfer)
+        if head != 64 and args.flashinfer_path:
+            jobs[(head, "nvfp4-core")] = ({**job, "llm": llm_args("nvfp4", "CUSTOM")}, base_path)
+        jobs[(head, "bf16")] = ({**job, "llm": llm_args("auto", "TRITON_ATTN")}, with_flashinfer)
+
+    def run(key):
+        job, path = jobs[key]
+        try:
+            return key, run_job(job, engine_env(path), timeout=400)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:  # reported; the other engines still run
+            return key, {"error": str(e)[-4000:]}
+
+    with ThreadPoolExecutor(2 if args.cpu else len(jobs)) as pool:  # CPU engines share the host's cores
+        results = dict(pool.map(run, jobs))
+
+    rows = ["| head | engine | KV tokens | log says | greedy vs bf16 | FlashInfer vs core |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for (head, name), result in results.items():
+        if "error" in result:
+            rows.append(f"| {head} | {name} | failed | {result['error'].splitlines()[-1][:150]} | | |")
+            continue
+        said = ", ".join(k for k, line in LOG_LINES.items() if line in result["log"])
+        ref = results.get((head, "cpu-bf16" if args.cpu else "bf16"), {})
+        vs_bf16 = agreement(result, ref) if "outputs" in ref and not name.endswith("bf16") else ""
+        core = results.get((head, "nvfp4-core"), {})
+        vs_core = agreement(result, core) if name == "nvfp4" and "outputs" in core else ""
+        rows.append(f"| {head} | {name} | {result['kv_tokens']} | {said} | {vs_bf16} | {vs_core} |")
+    table = "\n".join(rows)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "engine.md").write_text(table + "\n")
+        raw = {f"{head}-{name}": {k: v for k, v in r.items() if k != "log"} for (head, name), r in results.items()}
+        (out / "engine.json").write_text(json.dumps(raw, indent=1))
+        for (head, name), r in results.items():
+            (out / f"engine_{head}_{name}.log").write_text(r.get("log") or r["error"])
+    if any("error" in r for r in results.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""vLLM's CPU attention backend, extended with the NVFP4 KV cache.
+
+Registered in place of `CPU_ATTN` (the only backend vLLM's CPU platform selects). With
+`kv_cache_dtype="nvfp4"` the spec, metadata, store and attention are the plugin's; with any other
+dtype every call goes to vLLM's own CPU backend unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import AttentionMetadataBuilder, CommonAttentionMetadata
+from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttentionBackendImpl,
+                                                 CPUAttentionMetadataBuilder)
+from vllm.v1.kv_cache_interface import AttentionSpec
+
+from ..attention import DequantWorkspace, NVFP4AttentionMetadata, paged_attention, store_kv
+from .spec import customize_nvfp4_spec, page_view
+from .common import check_nvfp4_layer, core_metadata
+
+logger = init_logger("vllm.nvfp4_plugin.cpu")
+
+# Layers run one after another in a worker, so they share one dequantization workspace.
+_WORKSPACE = DequantWorkspace()
+
+
+def _is_nvfp4(kv_cache_dtype: str) -> bool:
+    return kv_cache_dtype.startswith("nvfp4")
+
+
+class NVFP4CPUAttentionBackend(CPUAttentionBackend):
+    """`CPU_ATTN` plus "nvfp4". The KV-cache layout stays the parent's head-major LBHNC (HND) for every
+    dtype: the choice is per class, not per dtype, and the parent's kernels read only that one."""
+
+    supported_kv_cache_dtypes: ClassVar[list] = [*CPUAttentionBackend.supported_kv_cache_dtypes, "nvfp4"]
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        # vLLM 0.33's CPU backend also demands AVX-512/AMX for every quantized dtype (its FP8 kernels' need);
+        # the plugin's NVFP4 kernels run on any x86-64.
+        return _is_nvfp4(kv_cache_dtype or "") or super().supports_kv_cache_dtype(kv_cache_dtype)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        return customize_nvfp4_spec(super().customize_spec(spec))
+
+    @staticmethod
+    def get_impl_cls() -> type["NVFP4CPUAttentionImpl"]:
+        return NVFP4CPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["NVFP4CPUAttentionMetadataBuilder"]:
+        return NVFP4CPUAttentionMetadataBuilder
+
+
+class NVFP4CPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """For NVFP4 groups: plain core metadata (the parent's builder plans its own kernels, and refuses
+    quantized caches on CPUs without AVX-512/AMX)."""
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device: torch.device):
+        self.nvfp4 = kv_cache_spec.kv_quant_mode.is_nvfp4
+        if self.nvfp4:
+            AttentionMetadataBuilder.__init__(self, kv_cache_spec, layer_names, vllm_config, device)
+        else:
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False):
+        if not self.nvfp4:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        return core_metadata(common_attn_metadata)
+
+
+class NVFP4CPUAttentionImpl(CPUAttentionBackendImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nvfp4 = _is_nvfp4(self.kv_cache_dtype)
+        if not self.nvfp4:
+            return
+        check_nvfp4_layer(self.kv_cache_dtype, self.attn_type, self.head_size, self.num_heads, self.num_kv_heads,
+                          sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
+                          alibi_slopes=self.alibi_slopes, sinks=self.sinks)
+        logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CPU (head size %d, %d query / %d KV heads)",
+                         self.head_size, self.num_heads, self.num_kv_heads)
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if not self.nvfp4:
+            return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        store_kv(key, value, page_view(kv_cache, self.num_kv_heads), slot_mapping, layer._k_scale, layer._v_scale)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: NVFP4AttentionMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None):
+        if not self.nvfp4:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("NVFP4 KV cache attention on CPU does not fuse output quantization")
+        if attn_metadata is None:  # profiling run
+            return output
+        paged_attention(query, page_view(kv_cache, self.num_kv_heads), attn_metadata, self.scale,
+                        layer._k_scale, layer._v_scale, output.view(query.shape), workspace=_WORKSPACE)
+        return output

@@ -1,0 +1,209 @@
+"""The plugin's CUDA attention backend: vLLM's `CUSTOM` slot (`--attention-backend CUSTOM`), NVFP4 KV cache only.
+
+Thin over the vLLM-independent CUDA path (`attention.flashinfer_reader`): the builder turns vLLM's batch into
+core metadata; the impl stores with the plugin's op and attends. The reader is chosen by the environment variable
+`VLLM_NVFP4_CUDA_READER`:
+
+- "plugin" (default): the plugin's `nvfp4_paged_attention` kernel for the whole batch. It needs no host sync and
+  plans its launch from vLLM's host-side length bounds, so the builder declares CUDA-graph support for uniform
+  single-token decode batches (FULL graphs); prefill batches run eagerly through the same kernel.
+- "fa2": FlashInfer's fa2 decode for the leading decode requests and the core for the rest (no CUDA graphs: the
+  plan reads lengths on the host).
+
+V scales are stored linear, the order every reader reads.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_layers_from_vllm_config
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention import Attention
+from vllm.platforms.interface import DeviceCapability
+from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, AttentionImpl,
+                                       AttentionMetadataBuilder, AttentionType, CommonAttentionMetadata,
+                                       MultipleOf)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from ..attention import SUPPORTED_HEAD_SIZES, DequantWorkspace, store_kv
+from ..attention import NVFP4AttentionMetadata
+from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaBatch, FlashInferNVFP4Decoder,
+                                           cuda_paged_attention, flashinfer_decode_unavailable_reason, plan_batch)
+from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPE, customize_nvfp4_spec, page_view
+from .common import check_nvfp4_layer, core_metadata
+
+logger = init_logger("vllm.nvfp4_plugin.cuda")
+
+# Layers run one after another in a worker, so they share one dequantization workspace.
+_WORKSPACE = DequantWorkspace()
+
+
+READER_ENV = "VLLM_NVFP4_CUDA_READER"
+
+
+def selected_reader() -> str:
+    """The reader `VLLM_NVFP4_CUDA_READER` names (default "plugin"); raises naming the allowed values."""
+    reader = os.environ.get(READER_ENV, "plugin")
+    if reader not in CUDA_READERS:
+        raise ValueError(f"{READER_ENV} must be one of {CUDA_READERS}, got {reader!r}")
+    return reader
+
+
+def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype != NVFP4_KV_CACHE_DTYPE:
+        raise ValueError(f"the vllm_nvfp4_plugin CUSTOM backend serves kv_cache_dtype={NVFP4_KV_CACHE_DTYPE!r} "
+                         f"only, got {kv_cache_dtype!r}: pass --kv-cache-dtype nvfp4 or pick another backend")
+
+
+class NVFP4CudaBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list] = [NVFP4_KV_CACHE_DTYPE]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # the registry slot it is registered under (the layer looks its name up in the enum)
+
+    @staticmethod
+    def get_impl_cls() -> type["NVFP4CudaImpl"]:
+        return NVFP4CudaImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["NVFP4CudaMetadataBuilder"]:
+        return NVFP4CudaMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (*NHD_LAYOUTS, *HND_LAYOUTS)  # token-major first: FlashInfer's native order
+
+    @classmethod
+    def supports_compute_capability(cls, capability: DeviceCapability) -> bool:
+        return capability >= DeviceCapability(8, 0)
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             use_mm_prefix, device_capability) -> str | None:
+        if kv_cache_dtype != NVFP4_KV_CACHE_DTYPE:
+            return f"the CUSTOM (vllm_nvfp4_plugin) backend needs kv_cache_dtype='nvfp4', got {kv_cache_dtype!r}"
+        return None
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        return customize_nvfp4_spec(spec)
+
+
+def shared_decode_params(vllm_config: VllmConfig, layer_names: list[str]) -> tuple[int, torch.dtype, float] | None:
+    """(query heads, query dtype, softmax scale) shared by a KV-cache group's layers: FlashInfer plans once per
+    batch for all of them. None (decode through the core) if the layers disagree."""
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    params = {(layer.impl.num_heads, layer.dtype, layer.impl.scale) for layer in layers.values()}
+    if len(params) != 1:
+        logger.warning("vllm_nvfp4_plugin: layers %s differ in query heads, dtype or softmax scale (%s); "
+                       "decoding through the attention core instead of FlashInfer", layer_names, params)
+        return None
+    return params.pop()
+
+
+class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | NVFP4AttentionMetadata]):
+    """Core metadata for every batch. On a CUDA device with the "plugin" reader that is all the kernel needs;
+    with "fa2" it also plans FlashInfer's decode for the batch's leading decode requests when fa2 can read this
+    head size on this device. Elsewhere (a CPU device) the core serves every request."""
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if not kv_cache_spec.kv_quant_mode.is_nvfp4:
+            raise ValueError(f"the vllm_nvfp4_plugin CUSTOM backend serves NVFP4 KV caches only, got a "
+                             f"{kv_cache_spec.kv_quant_mode} spec for layers {layer_names}")
+        self._init_reorder_batch_threshold(1)  # decodes first: FlashInfer takes the leading run
+        self._plugin_kernel = selected_reader() == "plugin" and torch.device(device).type == "cuda"
+        self._decoder: FlashInferNVFP4Decoder | None = None
+        self._decode_params: tuple[int, torch.dtype, float] | None = None
+        if self._plugin_kernel:
+            logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the plugin's CUDA kernel")
+            return
+        reason = flashinfer_decode_unavailable_reason(kv_cache_spec.head_size, device)
+        if reason is None:
+            self._decode_params = shared_decode_params(vllm_config, layer_names)
+        if self._decode_params is not None:
+            logger.info_once("vllm_nvfp4_plugin: NVFP4 decode through FlashInfer fa2, prefill through the core")
+        elif reason is not None:
+            logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the core only (%s)", reason)
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: AttentionSpec) -> AttentionCGSupport:
+        # The kernel's launch depends only on host-side bounds; the fa2 plan and the core read lengths on the host.
+        if selected_reader() == "plugin":
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> CudaBatch | NVFP4AttentionMetadata:
+        metadata = core_metadata(common_attn_metadata)
+        if self._plugin_kernel:
+            return metadata
+        if self._decode_params is None:
+            return CudaBatch(0, None, metadata)
+        if self._decoder is None:  # the layout is resolved by the first build
+            layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
+            self._decoder = FlashInferNVFP4Decoder(self.device, hnd=layout in HND_LAYOUTS)
+        upper_bound = common_attn_metadata.seq_lens_cpu_upper_bound
+        exact_upper_bound = upper_bound is not None and self.vllm_config.speculative_config is None
+        seq_lens_cpu = upper_bound if exact_upper_bound else common_attn_metadata.seq_lens.cpu()
+        num_q_heads, q_dtype, sm_scale = self._decode_params
+        spec = self.kv_cache_spec
+        return plan_batch(metadata, common_attn_metadata.query_start_loc_cpu, seq_lens_cpu, self._decoder,
+                          num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size, q_dtype, sm_scale)
+
+
+class NVFP4CudaImpl(AttentionImpl[CudaBatch | NVFP4AttentionMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
+        num_kv_heads = num_kv_heads or num_heads
+        _check_kv_cache_dtype(kv_cache_dtype)
+        check_nvfp4_layer(kv_cache_dtype, attn_type, head_size, num_heads, num_kv_heads,
+                          sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                          alibi_slopes=alibi_slopes, sinks=sinks)
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CUDA (head size %d, %d query / %d KV heads)",
+                         head_size, num_heads, num_kv_heads)
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.kv_sharing_target_layer_name is not None:  # the target layer stores the shared cache
+            return
+        store_kv(key, value, page_view(kv_cache, self.num_kv_heads), slot_mapping, layer._k_scale, layer._v_scale,
+                 SWIZZLE_V_SCALES)
+
+    def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: CudaBatch | NVFP4AttentionMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("the vllm_nvfp4_plugin CUSTOM backend does not fuse output quantization")
+        if attn_metadata is None:  # profiling run
+            return output
+        cuda_paged_attention(query, page_view(kv_cache, self.num_kv_heads), attn_metadata, self.scale,
+                             layer._k_scale, layer._v_scale, layer._k_scale_float, layer._v_scale_float,
+                             output.view(query.shape), workspace=_WORKSPACE)
+        return output

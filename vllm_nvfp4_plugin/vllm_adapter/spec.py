@@ -1,0 +1,65 @@
+"""How vLLM's KV-cache spec and allocation map onto the NVFP4 page of docs/FORMATS.md §1.
+
+vLLM sizes a layer's page from its `AttentionSpec` and hands the layer a view `[num_blocks, H, N, C]`
+of it (H head slots, N = block_size, C bytes), in the physical order of the resolved `KVCacheLayout`.
+For NVFP4 the backend publishes H = 2·num_kv_heads and C = head/2 + head/16 (`customize_nvfp4_spec`),
+so a page has exactly the bytes of `NVFP4PageLayout.page_bytes`; `page_view` then reads those bytes as
+`[K side | V side]`, each `[DATA | SCALES]`, token-major (NHD) or head-major (HND) as the layout says.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from ..attention.core import SUPPORTED_HEAD_SIZES
+from ..layout import NVFP4PageLayout
+
+NVFP4_KV_CACHE_DTYPE = "nvfp4"
+# Layouts in which each block's [H, N, C] bytes are one run: head-major (HND) or token-major (NHD) interiors.
+HND_LAYOUTS = (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)
+NHD_LAYOUTS = (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
+
+
+def check_nvfp4_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    """The plugin serves vLLM's "nvfp4" (plain round-to-nearest); its other NVFP4 variants are refused."""
+    if kv_cache_dtype.startswith("nvfp4") and kv_cache_dtype != NVFP4_KV_CACHE_DTYPE:
+        raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by vllm_nvfp4_plugin; "
+                                  f"use {NVFP4_KV_CACHE_DTYPE!r}")
+
+
+def customize_nvfp4_spec(spec: AttentionSpec) -> AttentionSpec:
+    """`spec` with the NVFP4 page packing; specs of other dtypes (or already packed) come back unchanged."""
+    if not spec.kv_quant_mode.is_nvfp4 or spec.state_content_bytes is not None:
+        return spec
+    if spec.head_size_v != spec.head_size:
+        raise NotImplementedError(f"NVFP4 KV cache needs equal K and V head sizes, got head_size={spec.head_size} "
+                                  f"and head_size_v={spec.head_size_v}")
+    if spec.head_size not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"NVFP4 KV cache supports head_size in {SUPPORTED_HEAD_SIZES}, got {spec.head_size}")
+    if spec.dtype.itemsize != 1:
+        raise ValueError(f"NVFP4 KV cache spec must have a 1-byte dtype (uint8), got {spec.dtype}")
+    full_dim = NVFP4PageLayout(spec.head_size, spec.block_size, spec.num_kv_heads).full_dim
+    return replace(spec, num_head_slots=2 * spec.num_kv_heads, state_content_bytes=full_dim)
+
+
+def page_view(kv_cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """vLLM's layer view `[num_blocks, 2·num_kv_heads, block_size, full_dim]` (NHD or HND layouts above) as
+    the `[num_blocks, 2, block_size, num_kv_heads, full_dim]` cache of docs/FORMATS.md, over the same bytes."""
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.size(1) != 2 * num_kv_heads:
+        raise ValueError(f"NVFP4 kv_cache must be uint8 [num_blocks, 2*num_kv_heads={2 * num_kv_heads}, block_size, "
+                         f"full_dim], got {kv_cache.dtype} of shape {tuple(kv_cache.shape)}")
+    num_blocks, num_slots, block_size, full_dim = kv_cache.shape
+    strides = kv_cache.stride()
+    if strides[1:] == (block_size * full_dim, full_dim, 1):  # [H, N, C]: head-major
+        token_stride, head_stride = full_dim, block_size * full_dim
+    elif strides[1:] == (full_dim, num_slots * full_dim, 1):  # [N, H, C]: token-major
+        token_stride, head_stride = num_kv_heads * full_dim, full_dim
+    else:
+        raise ValueError(f"NVFP4 kv_cache pages must be dense [H, N, C] (HND) or [N, H, C] (NHD), got strides "
+                         f"{strides} for shape {tuple(kv_cache.shape)}")
+    side_bytes = num_kv_heads * block_size * full_dim
+    return kv_cache.as_strided((num_blocks, 2, block_size, num_kv_heads, full_dim),
+                               (strides[0], side_bytes, token_stride, head_stride, 1), kv_cache.storage_offset())
