@@ -11,9 +11,9 @@
 // of the prompt in one step, and a decode row those of the same row in a prefill.
 //
 // Arithmetic, per tile of 16 keys: the keys' E2M1 codes are transposed (16 x 16 blocks of 32-bit words) so that
-// a vector holds one dimension of the 16 keys, decoded as e2m1 · SF (exact in float32) and multiplied by each
-// query's broadcast element: one fused multiply-add per dimension gives 16 scores, no horizontal sums. Values
-// are decoded by rows as e2m1 · SF and accumulated with the probabilities broadcast. Scores, softmax and sums
+// a vector holds one dimension of the 16 keys, decoded to e2m1 values and multiplied by each query's broadcast
+// element: one fused multiply-add per dimension and a block scale per group give 16 scores, no horizontal sums.
+// Values are decoded by rows as e2m1 · SF and accumulated with the probabilities broadcast. Scores, softmax and sums
 // are float32; k_scale is folded into the score scale and v_scale into the final 1 / sum. Like cpu_ops.cpp,
 // the tile kernel exists as AVX-512, AVX2 and baseline x86-64 code (cpu_isa.h).
 #include <torch/csrc/stable/library.h>
@@ -126,7 +126,8 @@ NVFP4_INLINE f32x16 broadcast(float x) {
   return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 
-// a · b + c: fused where the instruction set has it (the baseline rounds the product first).
+// a · b + c: fused on AVX-512; AVX2 and the baseline round the product first (on AVX2 a fused form of 16-lane
+// vectors costs more in moving halves than the two instructions it saves).
 template <Isa I>
 struct Fma {
   static inline f32x16 apply(f32x16 a, f32x16 b, f32x16 c) { return a * b + c; }
@@ -139,24 +140,49 @@ struct Fma<Isa::Avx512> {
                                                       __builtin_bit_cast(__m512, c)));
   }
 };
-template <>
-struct Fma<Isa::Avx2> {
-  typedef float f32x8 __attribute__((vector_size(32)));
-  NVFP4_TARGET_AVX2 static inline f32x8 half(f32x16 v, int h) {
-    return h ? __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
-             : __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+#endif
+
+// The 16 bytes at p as 32-bit lanes (GCC builds __builtin_convertvector of bytes lane by lane).
+template <Isa I>
+struct Widen {
+  static inline u32x16 bytes(const uint8_t* p) {
+    simd::u8x16 v;
+    std::memcpy(&v, p, sizeof v);
+    return __builtin_convertvector(v, u32x16);
   }
-  NVFP4_TARGET_AVX2 static inline f32x16 apply(f32x16 a, f32x16 b, f32x16 c) {
-    const f32x8 lo = __builtin_bit_cast(f32x8, _mm256_fmadd_ps(__builtin_bit_cast(__m256, half(a, 0)),
-                                                               __builtin_bit_cast(__m256, half(b, 0)),
-                                                               __builtin_bit_cast(__m256, half(c, 0))));
-    const f32x8 hi = __builtin_bit_cast(f32x8, _mm256_fmadd_ps(__builtin_bit_cast(__m256, half(a, 1)),
-                                                               __builtin_bit_cast(__m256, half(b, 1)),
-                                                               __builtin_bit_cast(__m256, half(c, 1))));
-    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+};
+#if NVFP4_X86
+template <>
+struct Widen<Isa::Avx512> {
+  NVFP4_TARGET_AVX512 static inline u32x16 bytes(const uint8_t* p) {
+    return __builtin_bit_cast(u32x16, _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  }
+};
+template <>
+struct Widen<Isa::Avx2> {
+  NVFP4_TARGET_AVX2 static inline u32x16 bytes(const uint8_t* p) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i halves[2] = {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
+    return __builtin_bit_cast(u32x16, halves);
   }
 };
 #endif
+
+// E2M1 values of the codes in the low 4 bits of each lane (higher bits ignored). AVX-512: one table permute.
+// Otherwise from bits, as quant.h's e2m1_decode (a variable permute of 16 lanes has no single AVX2 or SSE2
+// instruction, and the compiler would build it lane by lane).
+template <Isa I>
+NVFP4_INLINE f32x16 e2m1_values(u32x16 codes) {
+  if constexpr (I >= Isa::Avx512) {
+    return __builtin_shuffle(simd::E2M1_VALUES, codes);  // indices are taken modulo 16
+  } else {
+    const u32x16 m = codes & 7u;
+    const u32x16 normal = ((126u + (m >> 1)) << 23) | ((m & 1u) << 22);  // 2^((m >> 1) - 1) · (1 + (m & 1) / 2)
+    const u32x16 small = m * 0x3F000000u;                                 // codes 0 and 1: 0 and 0.5
+    return simd::as_f32(simd::select(simd::greater_mask(simd::i32x16{} + 2, simd::as_i32(m)), small, normal) |
+                        ((codes & 8u) << 28));
+  }
+}
 
 // exp(x) for x <= 0 (Cephes' expf: x = n·ln 2 + r, |r| <= ln2 / 2, a degree-7 polynomial, times 2^n), within
 // 2 ulp; below -87 it returns exp(-87) instead of a denormal or 0 (callers mask the lanes that must be 0).
@@ -294,21 +320,20 @@ struct TileCursor {
   }
 };
 
-// keys[d][j] = e2m1 · SF of dimension d of key j (zeros for j >= n). Key j's 8 code bytes per 16 dimensions,
-// read as 32-bit words (word w: dimensions 8w..8w+7, low nibble first), are transposed so that word w of all
-// keys is one vector; nibble e of it is dimension 8w + e of the 16 keys.
+// keys[d][j] = e2m1 of dimension d of key j (zeros for j >= n) and scales[s][j] = its block scale s. Key j's 8
+// code bytes per 16 dimensions, read as 32-bit words (word w: dimensions 8w..8w+7, low nibble first), are
+// transposed so that word w of all keys is one vector; nibble e of it is dimension 8w + e of the 16 keys.
 template <Isa I, int D>
-NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys) {
+NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys, f32x16 (&scales)[D / NVFP4_GROUP]) {
   constexpr int WORDS = D / 8, SCALE_WORDS = D / NVFP4_GROUP / 4;
   // The block scales, four a word; scale_words[w][j]: scales 4w..4w+3 of key j.
   alignas(64) uint32_t scale_words[SCALE_WORDS][TILE] = {};
   for (int j = 0; j < t.n; ++j)
     for (int w = 0; w < SCALE_WORDS; ++w) std::memcpy(&scale_words[w][j], t.key_scales[j] + 4 * w, 4);
-  f32x16 sf[4 * SCALE_WORDS];
   for (int w = 0; w < SCALE_WORDS; ++w) {
     u32x16 word;
     std::memcpy(&word, scale_words[w], sizeof word);
-    for (int e = 0; e < 4; ++e) sf[4 * w + e] = simd::e4m3_decode<I >= Isa::Avx512>((word >> (8 * e)) & 0xFFu);
+    for (int e = 0; e < 4; ++e) scales[4 * w + e] = simd::e4m3_decode<I >= Isa::Avx512>((word >> (8 * e)) & 0xFFu);
   }
   for (int w0 = 0; w0 < WORDS; w0 += 16) {
     constexpr int BYTES = 4 * std::min(16, WORDS);
@@ -318,65 +343,129 @@ NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys) {
       if (j < t.n) std::memcpy(&words[j], t.key_data[j] + 4 * w0, BYTES);
     }
     transpose_words(words);
-    for (int w = w0; w < std::min(w0 + 16, WORDS); ++w) {
-      const u32x16 word = words[w - w0];
-      const f32x16 scale = sf[w / 2];
-      for (int e = 0; e < 8; ++e)  // shuffle indices are taken modulo 16: the nibble needs no mask
-        store(__builtin_shuffle(simd::E2M1_VALUES, word >> (4 * e)) * scale, keys + (8 * w + e) * TILE);
-    }
+    for (int w = w0; w < std::min(w0 + 16, WORDS); ++w)
+      for (int e = 0; e < 8; ++e)
+        store(e2m1_values<I>(words[w - w0] >> (4 * e)), keys + (8 * w + e) * TILE);
   }
+}
+
+// Scores of pairs [first, last) for the tile's 16 keys: Σ_s SF_s · Σ_{d in group s} q[d] · e2m1[d] (exact
+// values, the block scale applied once a group), one multiply-add chain per pair, four pairs at a time.
+template <Isa I, int D, int COUNT>
+NVFP4_INLINE void pair_scores(const float* q, const float* keys, const f32x16 (&scales)[D / NVFP4_GROUP],
+                              float* out) {
+  using F = Fma<I>;
+  f32x16 score[COUNT] = {};
+  for (int s = 0; s < D / NVFP4_GROUP; ++s) {
+    f32x16 dot[COUNT] = {};
+    for (int d = NVFP4_GROUP * s; d < NVFP4_GROUP * (s + 1); ++d) {
+      const f32x16 k = load(keys + d * TILE);
+      for (int i = 0; i < COUNT; ++i) dot[i] = F::apply(broadcast(q[i * D + d]), k, dot[i]);
+    }
+    for (int i = 0; i < COUNT; ++i) score[i] = F::apply(dot[i], scales[s], score[i]);
+  }
+  for (int i = 0; i < COUNT; ++i) store(score[i], out + i * TILE);
+}
+
+template <Isa I, int D>
+NVFP4_INLINE void tile_scores(const float* q, const float* keys, const f32x16 (&scales)[D / NVFP4_GROUP],
+                              int64_t first, int64_t last, float* out) {
+  int64_t p = first;
+  for (; p + 4 <= last; p += 4) pair_scores<I, D, 4>(q + p * D, keys, scales, out + p * TILE);
+  for (; p < last; ++p) pair_scores<I, D, 1>(q + p * D, keys, scales, out + p * TILE);
 }
 
 // Value rows hold each 32 dimensions as the 16 even ones, then the 16 odd ones: the low and high nibbles of 16
 // code bytes. The weighted sums keep that order (they are sums of rows); write_rows puts it back.
-// values[j] = e2m1 · SF of key j, for j < n: per 32 dimensions, the 16 possible values of each of the
-// two groups form one 32-entry table that both nibble vectors index (the second group's lanes offset by 16).
-template <int D>
+// Dimensions 32c..32c+31 of key j, e2m1 · SF. AVX-512: the 16 possible values of each of the two groups form
+// one 32-entry table that both nibble vectors index (the second group's lanes offset by 16); otherwise the values
+// times the two groups' scales.
+template <Isa I>
+NVFP4_INLINE void decode_value_pair(const TileTokens& t, int j, int c, f32x16& even, f32x16& odd) {
+  const uint8_t* scales = t.value_scales[j];
+  const int64_t* delta = t.value_delta[j];
+  const f32x16 first = broadcast(E4M3.value[scales[delta[2 * c]]]);
+  const f32x16 second = broadcast(E4M3.value[scales[delta[2 * c + 1]]]);
+  const u32x16 codes = Widen<I>::bytes(t.value_data[j] + 16 * c);
+  if constexpr (I >= Isa::Avx512) {
+    const u32x16 second_group = {0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
+    const f32x16 first_values = simd::E2M1_VALUES * first, second_values = simd::E2M1_VALUES * second;
+    even = __builtin_shuffle(first_values, second_values, (codes & 0xFu) | second_group);
+    odd = __builtin_shuffle(first_values, second_values, (codes >> 4) | second_group);
+  } else {
+    const f32x16 sf =
+        __builtin_shufflevector(first, second, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    even = e2m1_values<I>(codes) * sf;
+    odd = e2m1_values<I>(codes >> 4) * sf;
+  }
+}
+
+template <Isa I, int D>
 NVFP4_INLINE void decode_values(const TileTokens& t, float* values) {
-  constexpr int SCALES = D / NVFP4_GROUP;
-  const u32x16 second_group = {0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
-  for (int j = 0; j < t.n; ++j) {
-    const uint8_t* data = t.value_data[j];
-    const uint8_t* scales = t.value_scales[j];
-    const int64_t* delta = t.value_delta[j];
-    float* row = values + j * D;
-    for (int s = 0; s < SCALES; s += 2) {
-      const f32x16 first = simd::E2M1_VALUES * broadcast(E4M3.value[scales[delta[s]]]);
-      const f32x16 second = simd::E2M1_VALUES * broadcast(E4M3.value[scales[delta[s + 1]]]);
-      simd::u8x16 bytes;
-      std::memcpy(&bytes, data + s * NVFP4_GROUP / 2, sizeof bytes);
-      const u32x16 codes = __builtin_convertvector(bytes, u32x16);
-      store(__builtin_shuffle(first, second, (codes & 0xFu) | second_group), row + s * NVFP4_GROUP);
-      store(__builtin_shuffle(first, second, (codes >> 4) | second_group), row + s * NVFP4_GROUP + 16);
+  for (int j = 0; j < t.n; ++j)
+    for (int c = 0; c < D / 32; ++c) {
+      f32x16 even, odd;
+      decode_value_pair<I>(t, j, c, even, odd);
+      store(even, values + j * D + 32 * c);
+      store(odd, values + j * D + 32 * c + 16);
+    }
+}
+
+// sums[p] = sums[p] · alpha[p] + Σ_j prob[p][j] · values[j], j in key order, for pairs [first, last). A pair's keys
+// past what its row sees have probability 0, which adds exactly nothing, so every pair runs over the tile's n keys.
+// Few pairs (decode): the values are decoded straight into the sums of up to four pairs; many (prefill): decoded
+// once into rows that each pair's sums read.
+template <Isa I, int D, int COUNT>
+NVFP4_INLINE void pair_values(const TileTokens& t, const float* probs, const float* alpha, float* sums) {
+  using F = Fma<I>;
+  for (int c = 0; c < D / 32; ++c) {
+    f32x16 even[COUNT], odd[COUNT];
+    for (int i = 0; i < COUNT; ++i) {
+      even[i] = load(sums + i * D + 32 * c);
+      odd[i] = load(sums + i * D + 32 * c + 16);
+      if (alpha[i] != 1.0f) {
+        even[i] *= alpha[i];
+        odd[i] *= alpha[i];
+      }
+    }
+    for (int j = 0; j < t.n; ++j) {
+      f32x16 e, o;
+      decode_value_pair<I>(t, j, c, e, o);
+      for (int i = 0; i < COUNT; ++i) {
+        const f32x16 pj = broadcast(probs[i * TILE + j]);
+        even[i] = F::apply(pj, e, even[i]);
+        odd[i] = F::apply(pj, o, odd[i]);
+      }
+    }
+    for (int i = 0; i < COUNT; ++i) {
+      store(even[i], sums + i * D + 32 * c);
+      store(odd[i], sums + i * D + 32 * c + 16);
     }
   }
 }
 
-// Scores of pairs [first, last) for the tile's 16 keys: Σ_d q[d] · keys[d], one multiply-add chain per pair,
-// four pairs at a time.
 template <Isa I, int D>
-NVFP4_INLINE void tile_scores(const float* q, const float* keys, int64_t first, int64_t last, float* scores) {
-  using F = Fma<I>;
-  int64_t p = first;
-  for (; p + 4 <= last; p += 4) {
-    const float* q0 = q + p * D;
-    f32x16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
-    for (int d = 0; d < D; ++d) {
-      const f32x16 k = load(keys + d * TILE);
-      s0 = F::apply(broadcast(q0[d]), k, s0);
-      s1 = F::apply(broadcast(q0[D + d]), k, s1);
-      s2 = F::apply(broadcast(q0[2 * D + d]), k, s2);
-      s3 = F::apply(broadcast(q0[3 * D + d]), k, s3);
-    }
-    store(s0, scores + p * TILE);
-    store(s1, scores + (p + 1) * TILE);
-    store(s2, scores + (p + 2) * TILE);
-    store(s3, scores + (p + 3) * TILE);
+NVFP4_INLINE void tile_values(const TileTokens& t, const float* probs, const float* alpha, int64_t first,
+                              int64_t last, float* values, float* sums) {
+  if (last - first <= 8) {
+    int64_t p = first;
+    for (; p + 4 <= last; p += 4) pair_values<I, D, 4>(t, probs + p * TILE, alpha + p, sums + p * D);
+    for (; p < last; ++p) pair_values<I, D, 1>(t, probs + p * TILE, alpha + p, sums + p * D);
+    return;
   }
-  for (; p < last; ++p) {
-    f32x16 s = {};
-    for (int d = 0; d < D; ++d) s = F::apply(broadcast(q[p * D + d]), load(keys + d * TILE), s);
-    store(s, scores + p * TILE);
+  decode_values<I, D>(t, values);
+  for (int64_t p = first; p < last; ++p) {
+    float* acc = sums + p * D;
+    const float* prob = probs + p * TILE;
+    f32x16 sum[D / 16];
+    for (int c = 0; c < D / 16; ++c) sum[c] = load(acc + 16 * c);
+    if (alpha[p] != 1.0f)
+      for (int c = 0; c < D / 16; ++c) sum[c] *= alpha[p];
+    for (int j = 0; j < t.n; ++j) {
+      const f32x16 pj = broadcast(prob[j]);
+      for (int c = 0; c < D / 16; ++c) sum[c] = Fma<I>::apply(pj, load(values + j * D + 16 * c), sum[c]);
+    }
+    for (int c = 0; c < D / 16; ++c) store(sum[c], acc + 16 * c);
   }
 }
 
@@ -396,9 +485,10 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
   for (int64_t key0 = key_begin, i = 0; key0 < key_end; key0 += TILE, i ^= 1) {
     const TileTokens& tokens = tiles[i];
     if (key0 + TILE < key_end) cursor.next(static_cast<int>(std::min<int64_t>(TILE, key_end - key0 - TILE)), tiles[i ^ 1]);
-    decode_keys<I, D>(tokens, scratch.keys.get());
-    const int64_t tile_row = u.first_row_seeing(b, key0), first = tile_row * group;
-    tile_scores<I, D>(scratch.q.get(), scratch.keys.get(), first, pairs, scratch.probs.get());
+    f32x16 key_scales[D / NVFP4_GROUP];
+    decode_keys<I, D>(tokens, scratch.keys.get(), key_scales);
+    const int64_t first = u.first_row_seeing(b, key0) * group;
+    tile_scores<I, D>(scratch.q.get(), scratch.keys.get(), key_scales, first, pairs, scratch.probs.get());
     // Online softmax: each pair's new max, its probabilities (exactly 0 for keys its row does not see) and the
     // factor exp(old max - new max) for its sums; 1 (skipped) when the max did not grow.
     for (int64_t p = first; p < pairs; ++p) {
@@ -418,22 +508,8 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
       store(probs, prob);
       scratch.alpha[p] = alpha;
     }
-    decode_values<D>(tokens, scratch.values.get());
-    for (int64_t p = first; p < pairs; ++p) {
-      const int64_t seen = std::min<int64_t>(std::min<int64_t>(u.visible_end(b, p / group), key_end) - key0, TILE);
-      float* acc = st.acc.get() + p * D;
-      const float* prob = scratch.probs.get() + p * TILE;
-      f32x16 sums[D / 16];
-      for (int c = 0; c < D / 16; ++c) sums[c] = load(acc + 16 * c);
-      if (scratch.alpha[p] != 1.0f)
-        for (int c = 0; c < D / 16; ++c) sums[c] *= scratch.alpha[p];
-      for (int j = 0; j < seen; ++j) {
-        const f32x16 pj = broadcast(prob[j]);
-        const float* v = scratch.values.get() + j * D;
-        for (int c = 0; c < D / 16; ++c) sums[c] = Fma<I>::apply(pj, load(v + 16 * c), sums[c]);
-      }
-      for (int c = 0; c < D / 16; ++c) store(sums[c], acc + 16 * c);
-    }
+    tile_values<I, D>(tokens, scratch.probs.get(), scratch.alpha.get(), first, pairs, scratch.values.get(),
+                      st.acc.get());
   }
 }
 
