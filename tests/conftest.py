@@ -29,7 +29,8 @@ E2E_TESTS = {"test_smollm2_answers_a_question"}
 SLOW_FILES = {"test_e2m1_exhaustive.py", "test_fuzz.py"}
 SLOW_TESTS = {"test_avx512_e2m1_encoder_equals_reference_ladder_on_every_float",
               "test_lower_instruction_sets_match_reference", "test_default_instruction_set_matches_reference",
-              "test_unknown_instruction_set_is_rejected"}
+              "test_unknown_instruction_set_is_rejected", "test_instruction_set_variants_agree",
+              "test_fuzz_against_reference"}
 
 
 def pytest_collection_modifyitems(config, items):
