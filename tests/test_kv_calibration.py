@@ -156,3 +156,22 @@ def test_engine_serves_nvfp4_4over6(tiny):
     result = run_job(generation_job(tiny, kv_cache_dtype="nvfp4_4over6"), engine_env(), timeout=600)
     assert "NVFP4 KV cache attention on CPU" in result["log"]
     assert all(len(o["token_ids"]) == 8 for o in result["outputs"])
+
+
+def test_calibrate_tool_writes_policies_the_engine_loads(tiny, tmp_path):
+    """The tool's statistics engine, candidate search and files, on the tiny model (fidelity runs skipped)."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "calibration"
+    proc = subprocess.run([sys.executable, "-m", "vllm_nvfp4_plugin.tools.calibrate", str(tiny), "--out", str(out),
+                           "--calibration-prompts", "2", "--continuation-tokens", "8", "--no-fidelity"],
+                          env=engine_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    assert [layer["layer"] for layer in report["layers"]] == [0, 1]
+    assert report["modes"][1]["capacity_ratio"] == pytest.approx(4 * 64 / 72, rel=0.02)  # NVFP4 page vs bf16
+    for name in ("nvfp4_smooth", "auto"):
+        calibration = kv_calibration.load(out / f"calibration_{name}.json")
+        calibration.check_model(2, 2, 64, name)
+    assert "| layer |" in (out / "report.md").read_text()

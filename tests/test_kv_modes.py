@@ -91,3 +91,13 @@ def test_4over6_store_names_itself_in_errors():
     args["k_scale"] = args["k_scale"].double()
     with pytest.raises(RuntimeError, match="reshape_and_cache_nvfp4_4over6: k_scale"):
         ops.reshape_and_cache_nvfp4_4over6(**args)
+
+
+def test_a_sliding_window_that_covers_max_model_len_is_no_window():
+    from vllm_nvfp4_plugin.vllm_adapter.common import effective_sliding_window
+
+    assert effective_sliding_window(512, 512) is None  # Gemma 3's local layers at max_model_len 512
+    assert effective_sliding_window(512, 256) is None
+    assert effective_sliding_window(512, 1024) == 512  # tokens leave the window: still refused by the core
+    assert effective_sliding_window(512, None) == 512
+    assert effective_sliding_window(None, 1024) is None and effective_sliding_window(-1, 1024) is None

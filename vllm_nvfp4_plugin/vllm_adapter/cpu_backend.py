@@ -115,6 +115,9 @@ class NVFP4CPUAttentionImpl(CPUAttentionBackendImpl):
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: NVFP4AttentionMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None):
+        if KeyValueObserver.observe_query is not None and attn_metadata is not None:
+            tokens = attn_metadata.num_query_tokens if self.nvfp4 else attn_metadata.num_actual_tokens
+            KeyValueObserver.observe_query(layer.layer_name, query[:tokens])
         if not self.nvfp4:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
