@@ -10,7 +10,7 @@ Floors, from ceilings measured in the same run: bytes at the same-run copy bandw
 2 GiB: read + written; decode: the FP8 cache it reads + the logits it writes; prefill: the float32 logits written,
 and read back by the top-k) and the visible q·k FLOPs at the same-run dense FP8 matmul rate (torch._scaled_mm,
 cuBLAS on wgmma: the FP8 tensor cores' ceiling, above what mma.sync reaches); the larger of the two bounds the
-step. Blocks are a random permutation; the 277 MB decode cache is 4.6× the 60 MB L2. A spot check compares one
+step. Blocks are a random permutation; the 277 MB decode cache is 4.6× an H200's 60 MB L2. A spot check compares one
 decode row and one prefill row with reference.py's float64 logits. Prints a markdown table; `--out FILE` writes
 it there too.
 """
@@ -26,7 +26,7 @@ from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.indexer import core
 from vllm_nvfp4_plugin.layout import IndexerCacheLayout
 
-from cuda_timing import capture_graph, event_median_ms as median_ms
+from cuda_timing import capture_graph, print_report, event_median_ms as median_ms
 
 BATCH, CONTEXT, HEADS, TOPK, QUERY = 64, 32768, 64, 2048, 8192
 LAYOUT = IndexerCacheLayout(128, 64, 128)
@@ -165,11 +165,7 @@ def main() -> None:
                      2 * CONTEXT * LAYOUT.row_bytes, 0))
     lines += ["", (f"Spot check against reference.py's float64 logits (max |error| / max |logit|): decode row 0 "
                    f"{decode_error:.1e}, prefill row {QUERY - 1} {prefill_error:.1e}")]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_report("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

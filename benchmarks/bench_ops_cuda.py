@@ -6,7 +6,7 @@
 Shapes: bf16, head 128, 8 KV heads, NVFP4 page 16, indexer block 64. Each op is
 captured in a CUDA graph of several calls and the graph replayed; the median replay time per call is
 reported with the effective bandwidth: the bytes the op must read plus the bytes it must write, over that
-time. Slots and blocks are random permutations; inputs that fit in the 60 MB L2 rotate over several copies.
+time. Slots and blocks are random permutations; inputs that fit in an L2 (60 MB on an H200) rotate over four copies.
 The torch reference runs eagerly (it syncs on the host) as the speed floor. `--settle-ms MS` adds a second
 reading of every graph-timed row, after MS ms of further replays (on an H200 the random-slot NVFP4
 store reads ~4% slower after 200 ms of continuous replays; the other rows stay within 1%).
@@ -27,7 +27,7 @@ from vllm_nvfp4_plugin import ops, reference
 from vllm_nvfp4_plugin.attention.flashinfer_reader import nvfp4_flashinfer_views
 from vllm_nvfp4_plugin.layout import IndexerCacheLayout, NVFP4PageLayout
 
-from cuda_timing import capture_graph, event_median_ms as median_ms
+from cuda_timing import capture_graph, print_report, event_median_ms as median_ms
 
 HEADS, HEAD, PAGE = 8, 128, 16
 INDEXER = IndexerCacheLayout(128, 64, 128)
@@ -309,11 +309,7 @@ def main():
     args = parser.parse_args()
     if args.once:
         return run_once_each()
-    text = report(args.flashinfer, args.reference, args.settle_ms)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    print_report(report(args.flashinfer, args.reference, args.settle_ms), args.out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Device timing shared by the CUDA benchmarks."""
+"""Device timing and report output shared by the CUDA benchmarks."""
 
 import statistics
 
@@ -43,3 +43,11 @@ def event_median_ms(fn, reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def print_report(text: str, out: str | None) -> None:
+    """Print a benchmark's markdown report, and write it to `out` too when given."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")

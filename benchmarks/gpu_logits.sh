@@ -16,11 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_steps.sh
-STEPS=${STEPS:-"build tests bench cpu_tests memcheck racecheck"}
-RESULTS_DIR=$(realpath -m "${RESULTS_DIR:-out/gpu_logits}")
-mkdir -p "$RESULTS_DIR" && : > "$RESULTS_DIR/summary.txt"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$RESULTS_DIR/gpu.txt"
+start_run "build tests bench cpu_tests memcheck racecheck" out/gpu_logits
 
 has build && build_extension
 TESTS="tests/test_logits_ops.py tests/test_logits_paths.py tests/test_indexer_core.py"

@@ -21,11 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_steps.sh
-STEPS=${STEPS:-"build cuda_tests tests bench bad_inputs doctor racecheck memcheck memcheck_large"}
-RESULTS_DIR=$(realpath -m "${RESULTS_DIR:-out/gpu_ops}")
-mkdir -p "$RESULTS_DIR" && : > "$RESULTS_DIR/summary.txt"
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$RESULTS_DIR/gpu.txt"
+start_run "build cuda_tests tests bench bad_inputs doctor racecheck memcheck memcheck_large" out/gpu_ops
 
 has build && build_extension
 PYTEST="python3 -X faulthandler -m pytest -v -p no:cacheprovider"

@@ -1,6 +1,14 @@
-# Step runner of the GPU scripts (sourced). `has NAME`: whether $STEPS lists NAME. `step NAME SECONDS COMMAND...`:
-# runs COMMAND with a time limit, logs it to $RESULTS_DIR/NAME.log, appends its exit code to
-# $RESULTS_DIR/summary.txt and sets status=1 when it fails.
+# Step runner of the GPU scripts (sourced). `start_run DEFAULT_STEPS DEFAULT_RESULTS_DIR`: reads STEPS and
+# RESULTS_DIR from the environment (or the defaults), empties the summary and records the GPU. `has NAME`: whether
+# $STEPS lists NAME. `step NAME SECONDS COMMAND...`: runs COMMAND with a time limit, logs it to
+# $RESULTS_DIR/NAME.log, appends its exit code to $RESULTS_DIR/summary.txt and sets status=1 when it fails.
+start_run() {
+  STEPS=${STEPS:-$1}
+  RESULTS_DIR=$(realpath -m "${RESULTS_DIR:-$2}")
+  mkdir -p "$RESULTS_DIR" && : > "$RESULTS_DIR/summary.txt"
+  export PYTHONUNBUFFERED=1
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$RESULTS_DIR/gpu.txt"
+}
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 status=0
 step() {

@@ -17,11 +17,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_steps.sh
-STEPS=${STEPS:-"build indexer_tests engines"}
-RESULTS_DIR=$(realpath -m "${RESULTS_DIR:-out/gpu_vllm}")
-mkdir -p "$RESULTS_DIR" && : > "$RESULTS_DIR/summary.txt"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-nvidia-smi --query-gpu=name,driver_version --format=csv | tee "$RESULTS_DIR/gpu.txt"
+start_run "build indexer_tests engines" out/gpu_vllm
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)" | tee -a "$RESULTS_DIR/gpu.txt"
 
 has build && build_extension

@@ -56,7 +56,7 @@ void check_global_scale(const char* op, const char* name, const Tensor& scale, c
   check_same_device(op, name, scale, cache, "key_cache");
 }
 
-// FORMATS.md §1 on a `[num_blocks, block_size, num_heads, full_dim]` view, as layout.py's from_side_cache.
+// docs/FORMATS.md §1 on a `[num_blocks, block_size, num_heads, full_dim]` view, as layout.py's from_side_cache.
 NVFP4PageLayout side_cache_layout(const char* op, const Tensor& key_cache, const Tensor& value_cache,
                                   bool swizzle_v_scales) {
   check_dim(op, "key_cache", key_cache, 4, "[num_blocks, block_size, num_heads, full_dim]");

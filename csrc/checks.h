@@ -26,7 +26,7 @@ NVFP4PageLayout check_gather_nvfp4_kv_cache(const Tensor& key_cache, const Tenso
                                             const Tensor& k_scale, const Tensor& v_scale, bool swizzle_v_scales,
                                             const Tensor& out_key, const Tensor& out_value);
 
-// How the indexer store writes a quant block's scale (FORMATS.md §2).
+// How the indexer store writes a quant block's scale (docs/FORMATS.md §2).
 enum class ScaleFormat { Float32, UE8M0, MXFP8 };
 
 ScaleFormat parse_scale_fmt(const std::string& scale_fmt);

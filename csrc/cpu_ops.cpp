@@ -73,7 +73,7 @@ std::vector<int64_t> scale_deltas(const NVFP4PageLayout& layout, bool swizzled) 
 constexpr int BATCH = 4 * LANES;
 
 // Where the groups of a token sit, relative to the token (group g: head g / scale_dim, group g % scale_dim of its
-// row). FORMATS.md §1's offsets are affine in the token, so a call computes these once and a token only moves
+// row). docs/FORMATS.md §1's offsets are affine in the token, so a call computes these once and a token only moves
 // three base pointers. Scale offsets also depend on token % 4 (the swizzle): four rows of them.
 struct GroupOffsets {
   std::vector<int64_t> src;    // elements, from the token's first value
@@ -119,7 +119,7 @@ struct TokenGroups {
   uint8_t* codes(int g) const { return data + data_offsets[g]; }
 };
 
-// Writes the block scales (FORMATS.md §1) of groups first..first+count-1 (count <= 16) from their max |x| (float32
+// Writes the block scales (docs/FORMATS.md §1) of groups first..first+count-1 (count <= 16) from their max |x| (float32
 // bits) and returns the float32 factors 1 / (SF · global) that bring each group onto the E2M1 grid (0 where SF is 0).
 template <bool native, typename T>
 NVFP4_INLINE simd::f32x16 write_block_scales(const TokenGroups<T>& t, int first, int count, simd::u32x16 amax,
@@ -315,7 +315,7 @@ NVFP4_TARGET_AVX512 void quantize_token_avx512(const TokenGroups<c10::BFloat16>&
 }
 #endif
 
-// Quantizes the num_heads rows of one token into `side` (one side of one block), FORMATS.md §1.
+// Quantizes the num_heads rows of one token into `side` (one side of one block), docs/FORMATS.md §1.
 template <typename T>
 NVFP4_INLINE void store_token_impl(const T* x, const GroupOffsets& offsets, const NVFP4PageLayout& layout,
                                    int64_t token, float global, float inv_global, uint8_t* side,
@@ -449,7 +449,7 @@ NVFP4_TARGET_AVX512 void e4m3_encode_bf16_avx512(const c10::BFloat16* x, int64_t
 }
 #endif
 
-// Quantizes one indexer key (FORMATS.md §2) into its block: FP8 values, then the scales' bytes.
+// Quantizes one indexer key (docs/FORMATS.md §2) into its block: FP8 values, then the scales' bytes.
 template <bool native, typename T>
 NVFP4_INLINE void indexer_store_token_impl(const T* x, const IndexerCacheLayout& layout, ScaleFormat fmt,
                                            int64_t offset, uint8_t* block) {

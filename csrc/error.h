@@ -1,6 +1,6 @@
 // NVFP4_CHECK: the ops' error reporting. The message is built with std::to_string, not std::ostream
 // (torch's STD_TORCH_CHECK streams into an ostringstream, which segfaulted in std::ostream::_M_insert<long>
-// when the extension was built with the H200 image's /opt/gcc toolchain).
+// where the extension was built by a separate GCC installation from the one torch's libstdc++ came with).
 #pragma once
 
 #include <torch/headeronly/core/ScalarType.h>

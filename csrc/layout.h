@@ -1,4 +1,4 @@
-// Byte offsets of the two caches, mirroring vllm_nvfp4_plugin/layout.py (FORMATS.md §1 and §2).
+// Byte offsets of the two caches, mirroring vllm_nvfp4_plugin/layout.py (docs/FORMATS.md §1 and §2).
 //
 // layout.py is the source of truth: these structs carry the same names and the same formulas, so the
 // CPU and CUDA kernels share one offset computation. The bit-exact tests of the ops against

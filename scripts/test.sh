@@ -2,7 +2,11 @@
 # Installs what is needed (scripts/install.sh), then runs the whole test suite. What .ci/run calls.
 #
 #   bash scripts/test.sh                      # the whole suite
+#   bash scripts/test.sh --fast               # -m "not e2e and not slow": ops, cores, spec, vLLM layers (minutes)
 #   bash scripts/test.sh tests/test_models.py # or any pytest arguments instead of "tests"
+#   bash scripts/test.sh --fast -k indexer    # --fast, then more pytest arguments
+#
+# Markers (tests/conftest.py): gpu (skipped without CUDA), vllm, e2e, slow.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3 || command -v python)}
@@ -16,9 +20,17 @@ echo "== install took ${install_s}s"
 # Everything the tests need is local: never wait on a hub.
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 
+fast=()
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  fast=(-m "not e2e and not slow")
+fi
 start=$SECONDS
 set +e
-[[ $# -gt 0 ]] || set -- tests
+has_path=0
+for arg in "$@"; do [[ -e "${arg%%::*}" ]] && has_path=1; done
+[[ $has_path == 1 ]] || set -- "$@" tests
+set -- "${fast[@]}" "$@"
 "$PYTHON" -m pytest -ra -p no:cacheprovider --timeout=1200 --durations=30 "$@"
 status=$?
 set -e

@@ -20,7 +20,7 @@ def test_doctor_cli_passes_on_cpu():
 
 
 def test_read_back_check_sees_a_wrong_v_scale_order():
-    """The linear reader over swizzled V scales (vLLM issue 50084) is off by far more than the tolerance."""
+    """The linear reader over swizzled V scales (docs/FORMATS.md §1) is off by far more than the tolerance."""
     gen = torch.Generator().manual_seed(0)
     good = doctor.check_read_back("cpu", False, gen)
     bad = doctor.check_read_back("cpu", False, gen, written_swizzled=True)

@@ -1,4 +1,4 @@
-"""The one place that knows where every byte of the two caches lives (FORMATS.md §1 and §2).
+"""The one place that knows where every byte of the two caches lives (docs/FORMATS.md §1 and §2).
 
 The KV-cache spec, the ops' argument checks, the backends, the reference and the tests all ask these
 descriptors for offsets instead of re-deriving them from strides.
@@ -101,7 +101,7 @@ class NVFP4PageLayout:
 
     @staticmethod
     def is_hnd(side_cache: torch.Tensor) -> bool:
-        """HND detection of FORMATS.md §1 on a `[num_blocks, block_size, num_heads, full_dim]` view."""
+        """HND detection of docs/FORMATS.md §1 on a `[num_blocks, block_size, num_heads, full_dim]` view."""
         return side_cache.stride(2) > side_cache.stride(1)
 
     @classmethod

@@ -1,7 +1,7 @@
-"""Plain-torch reference of the ops and of NVFP4 encode/decode, written from FORMATS.md.
+"""Plain-torch reference of the ops and of NVFP4 encode/decode, written from docs/FORMATS.md.
 
 It is the oracle of the CPU and CUDA tests and is deliberately slow and obvious. The cache ops are bit-exact
-contracts: their arithmetic is float32, in the order FORMATS.md gives. The indexer logits sum in any order, so
+contracts: their arithmetic is float32, in the order docs/FORMATS.md gives. The indexer logits sum in any order, so
 their reference is float64 and the tests compare with a tolerance.
 """
 

@@ -168,7 +168,7 @@ __device__ __forceinline__ uint32_t e2m1_with_signs(uint32_t magnitudes, const f
   return magnitudes | (odd & 0x80808080u) | ((even >> 4) & 0x08080808u);
 }
 
-// Eight E2M1 codes packed into 32 bits, element 2j in the low nibble of byte j (FORMATS.md §1).
+// Eight E2M1 codes packed into 32 bits, element 2j in the low nibble of byte j (docs/FORMATS.md §1).
 __device__ __forceinline__ uint32_t e2m1_pack8(const float (&x)[8]) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000 && \
     (defined(__CUDA_ARCH_SPECIFIC__) || defined(__CUDA_ARCH_FAMILY_SPECIFIC__))

@@ -11,7 +11,7 @@
 
 namespace vllm_nvfp4 {
 
-// The E2M1 magnitude code of |v| (nearest, ties to the even code, saturating at 6: FORMATS.md §1) in the low
+// The E2M1 magnitude code of |v| (nearest, ties to the even code, saturating at 6: docs/FORMATS.md §1) in the low
 // 3 bits of the result; bit 3 is clear and the bits above are 0x4B000000's. A NaN gets code 7 on the GPU.
 // E2M1 steps by 0.5 below 2, by 1 in [2, 4) and by 2 from 4 on, so the code is 2a below 2, a + 2 in [2, 4)
 // and a / 2 + 4 from 4, each rounded to an integer, ties to even; each of the three is >= the code outside

@@ -1,10 +1,10 @@
-// CUDA kernels of the DeepSeek-V3.2 indexer K-cache ops (FORMATS.md §2): the FP8 store and the gather of
+// CUDA kernels of the DeepSeek-V3.2 indexer K-cache ops (docs/FORMATS.md §2): the FP8 store and the gather of
 // each sequence's cached keys into contiguous rows.
 //
 // Store: one thread owns 16 elements (8 when the quant block is 8): two 16-byte bf16 loads, one 16-byte FP8
 // store; the quant block's threads are adjacent lanes of one warp and reduce its amax with shuffles. The scale
 // format is a template parameter, so ue8m0 and mxfp8 compile without the float32 format's divisions. (Measured
-// on the H200: 8 elements a thread of two tokens, so that every warp access is contiguous, doubles the per-token
+// on an H200: 8 elements a thread of two tokens, so that every warp access is contiguous, doubles the per-token
 // work a thread does and ran 50% slower; 32 elements a thread ran no faster, at 62.5% occupancy.)
 // Gather: one thread copies one 16-byte chunk of the values of ROWS rows (the first chunk's thread also their
 // scales), so a warp moves whole rows with all its loads in flight at once; each row's source (sequence by a

@@ -1,9 +1,9 @@
-// CUDA kernels of the NVFP4 KV-cache ops (FORMATS.md §1): the store (quantize into slots) and the
+// CUDA kernels of the NVFP4 KV-cache ops (docs/FORMATS.md §1): the store (quantize into slots) and the
 // gather (dequantize each sequence's cached tokens into contiguous rows).
 //
 // Store: one thread owns one 16-element group of one (token, head) for both K and V; its four 16-byte activation
 // loads are in flight with the token's slot (its stores are predicated on the slot, not branched around: the
-// compiler sinks loads below such a branch). Measured slower on the H200: four tokens a thread, software-pipelined
+// compiler sinks loads below such a branch). Measured slower on an H200: four tokens a thread, software-pipelined
 // (88 registers cut the occupancy); a lane pair a group, each lane loading half of K and of V so that every warp
 // load is contiguous, then swapping halves by shuffles (the per-thread overhead doubles: 400 -> 516 us).
 // Gather: one thread owns half a group (8 outputs, one 16-byte store, so a warp's stores are contiguous) of
@@ -71,7 +71,7 @@ struct EntryOffsets {
   __device__ int v_scale_at(int token) const { return v_scale + (token & ~3) * scale_step + (token & 3) * v_scale_unit; }
 };
 
-// Quantizes one 16-element group into its 8 code bytes and 1 scale byte (FORMATS.md §1 steps 1-4).
+// Quantizes one 16-element group into its 8 code bytes and 1 scale byte (docs/FORMATS.md §1 steps 1-4).
 template <bool kVector, typename T>
 __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float global, float inv_global, bool valid,
                                             uint8_t* data, uint8_t* scale) {
@@ -107,8 +107,8 @@ __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float g
 }
 
 // At least 10 CTAs an SM: 48 registers instead of 62, 62.5% occupancy instead of 50%. ptxas keeps the
-// loop-invariant global scales and their reciprocals in local memory (stored once, reloaded once a head). On the
-// H200 (RESULTS.md): 400 -> 385 us for 262,144 tokens; capped at 40 registers it spills inside the loop: 497 us.
+// loop-invariant global scales and their reciprocals in local memory (stored once, reloaded once a head). On an
+// H200 (docs/KERNELS.md): 400 -> 385 us for 262,144 tokens; capped at 40 registers it spills inside the loop: 497 us.
 template <bool kVector, typename T>
 __global__ void __launch_bounds__(THREADS, 10) reshape_and_cache_nvfp4_kernel(
     const T* __restrict__ key, const T* __restrict__ value, int64_t key_token_stride, int64_t key_head_stride,

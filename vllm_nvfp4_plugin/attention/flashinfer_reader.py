@@ -1,11 +1,18 @@
-"""CUDA attention over the plugin's NVFP4 cache: decodes through FlashInfer's fa2 kernels, the rest through the core.
+"""CUDA attention over the plugin's NVFP4 cache: the plugin's own kernel by default, FlashInfer as the alternatives.
 
-FlashInfer (0.7) treats a uint8 paged cache plus `kv_cache_sf` e4m3 block scales as NVFP4, on SM80, SM90
-and SM120 through its fa2 tensor-core decode. It takes any page/token/head strides, so the data and scale
-regions of our `[DATA | SCALES]` sides are handed to it as strided views of the same bytes: nothing is
-copied. It misreads head size 64, so head 64 (and machines without FlashInfer) go to the attention core's gather path. Prefill and
-chunked prefill always go to the core: on Hopper, fa2's NVFP4 prefill runs at about half its bf16 speed,
-while dequantizing the pages into a workspace first costs little (GPU.md).
+Readers (`CUDA_READERS`):
+
+- "plugin" (default): `ops.nvfp4_paged_attention`, one launch for the whole batch (decodes, prompts, chunks over
+  cached prefixes), reading the NVFP4 pages directly; no host synchronisation, launch planned from the metadata's
+  host-side length bounds, so it can be captured in a CUDA graph. Every head size (64, 128, 256).
+- "fa2": FlashInfer's fa2 tensor-core decode for the leading decode requests, the attention core for the rest.
+  FlashInfer (0.7) treats a uint8 paged cache plus `kv_cache_sf` e4m3 block scales as NVFP4, on SM80, SM90 and
+  SM120. It takes any page/token/head strides, so the data and scale regions of our `[DATA | SCALES]` sides are
+  handed to it as strided views of the same bytes: nothing is copied. It misreads head size 64.
+
+`DequantPrefill` is the other prefill route: dequantize the requests' pages into a reused bf16 workspace (the
+gather op) and run FlashInfer's fa3 ragged prefill over it; benchmarks/bench_attention_cuda.py times it against
+the fused kernel.
 
 Both readers take linear V scales: the cache is stored with `SWIZZLE_V_SCALES` (False).
 """
@@ -17,11 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import ops
 from ..layout import NVFP4PageLayout
 from .core import DequantWorkspace, paged_attention
 from .metadata import NVFP4AttentionMetadata
 
 SWIZZLE_V_SCALES = False  # fa2 and the core's gather both read linear V scales
+CUDA_READERS = ("plugin", "fa2")
 
 FA2_NVFP4_HEAD_SIZES = (128, 256)  # fa2 misreads NVFP4 at head 64
 FA2_NVFP4_ARCH_MAJORS = (8, 9, 12)  # SM8x, SM90, SM12x read NVFP4 with fa2 (SM100 uses trtllm-gen)
@@ -175,14 +184,79 @@ def plan_batch(metadata: NVFP4AttentionMetadata, query_start_loc_cpu: torch.Tens
     return CudaBatch(num_decodes, decoder, rest)
 
 
-def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: CudaBatch, scale: float,
-                         k_scale: torch.Tensor, v_scale: torch.Tensor, k_scale_float: float, v_scale_float: float,
-                         out: torch.Tensor, workspace: DequantWorkspace | None = None) -> torch.Tensor:
+def plugin_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4AttentionMetadata,
+                           scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The whole batch through the plugin's kernel; `metadata.max_query_len`/`max_seq_len` must bound the batch."""
+    if metadata.max_query_len <= 0 or metadata.max_seq_len <= 0:
+        raise ValueError(f"metadata needs positive host-side bounds max_query_len and max_seq_len for the plugin "
+                         f"kernel's launch, got {metadata.max_query_len} and {metadata.max_seq_len}")
+    ops.nvfp4_paged_attention(query, kv_cache[:, 0], kv_cache[:, 1], metadata.block_table, metadata.query_start_loc,
+                              metadata.seq_lens, k_scale, v_scale, scale, metadata.causal, SWIZZLE_V_SCALES,
+                              metadata.max_query_len, metadata.max_seq_len, out)
+    return out
+
+
+class Bf16Workspace:
+    """bf16 buffers for one batch's dequantized K and V, grown on demand and reused across layers."""
+
+    def __init__(self):
+        self._buffer: torch.Tensor | None = None
+
+    def get(self, num_tokens: int, num_heads: int, head_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        numel = num_tokens * num_heads * head_size
+        if self._buffer is None or self._buffer.numel() < 2 * numel or self._buffer.device != torch.device(device):
+            self._buffer = torch.empty(2 * numel, dtype=torch.bfloat16, device=device)
+        shape = (num_tokens, num_heads, head_size)
+        return self._buffer[:numel].view(shape), self._buffer[numel:2 * numel].view(shape)
+
+
+class DequantPrefill:
+    """Prefill as dequantize-to-bf16 (the gather op) + FlashInfer fa3 ragged prefill; plans on host lengths."""
+
+    def __init__(self, device: torch.device, workspace_bytes: int = WORKSPACE_BYTES):
+        import flashinfer
+
+        self.device = torch.device(device)
+        self._float_workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._float_workspace, "NHD", backend="fa3")
+        self._kv = Bf16Workspace()
+        self._cu_seq_lens: torch.Tensor | None = None
+        self._num_kv_tokens = 0
+
+    def plan(self, query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, num_q_heads: int,
+             num_kv_heads: int, head_size: int, causal: bool, sm_scale: float) -> None:
+        kv_indptr = torch.zeros(seq_lens_cpu.numel() + 1, dtype=torch.int32)
+        kv_indptr[1:] = torch.cumsum(seq_lens_cpu.to(torch.int64), 0)
+        self._num_kv_tokens = int(kv_indptr[-1])
+        self._num_q_tokens = int(query_start_loc_cpu[-1])
+        self._cu_seq_lens = kv_indptr.to(self.device, non_blocking=True)
+        self._wrapper.plan(query_start_loc_cpu.to(torch.int32), kv_indptr, num_q_heads, num_kv_heads, head_size,
+                           causal=causal, sm_scale=sm_scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        self._heads = (num_kv_heads, head_size)
+
+    def run(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, k_scale: torch.Tensor,
+            v_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self._cu_seq_lens is None:
+            raise RuntimeError("DequantPrefill.run called before plan")
+        key, value = self._kv.get(self._num_kv_tokens, *self._heads, self.device)
+        ops.gather_nvfp4_kv_cache(kv_cache[:, 0], kv_cache[:, 1], block_table, self._cu_seq_lens, k_scale, v_scale,
+                                  SWIZZLE_V_SCALES, key, value)
+        n = self._num_q_tokens
+        return self._wrapper.run(query[:n], key, value, out=out[:n])
+
+
+def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: CudaBatch | NVFP4AttentionMetadata,
+                         scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, k_scale_float: float,
+                         v_scale_float: float, out: torch.Tensor,
+                         workspace: DequantWorkspace | None = None) -> torch.Tensor:
     """Attention of `query` `[num_tokens, num_heads, head]` over the `[num_blocks, 2, block, heads, full]` cache.
 
-    The global dequant scales come twice: as float32 device tensors for the core's gather and as floats
-    for FlashInfer (which folds them into its softmax scale and output).
+    `batch` is core metadata (the plugin's kernel) or a `CudaBatch` planned for the "fa2" reader. The global
+    dequant scales come twice: as float32 device tensors for the plugin's ops and as floats for FlashInfer (which
+    folds them into its softmax scale and output).
     """
+    if isinstance(batch, NVFP4AttentionMetadata):
+        return plugin_paged_attention(query, kv_cache, batch, scale, k_scale, v_scale, out)
     n = batch.num_decodes
     if n:
         batch.decoder.run(query[:n], kv_cache[:, 0], kv_cache[:, 1], k_scale_float, v_scale_float, out[:n])

@@ -1,12 +1,21 @@
 """The plugin's CUDA attention backend: vLLM's `CUSTOM` slot (`--attention-backend CUSTOM`), NVFP4 KV cache only.
 
 Thin over the vLLM-independent CUDA path (`attention.flashinfer_reader`): the builder turns vLLM's batch into
-core metadata and plans FlashInfer's fa2 decode for the leading decode requests; the impl stores with the
-plugin's op and attends. V scales are stored linear, the order both fa2 and the core's gather read.
+core metadata; the impl stores with the plugin's op and attends. The reader is chosen by the environment variable
+`VLLM_NVFP4_CUDA_READER`:
+
+- "plugin" (default): the plugin's `nvfp4_paged_attention` kernel for the whole batch. It needs no host sync and
+  plans its launch from vLLM's host-side length bounds, so the builder declares CUDA-graph support for uniform
+  single-token decode batches (FULL graphs); prefill batches run eagerly through the same kernel.
+- "fa2": FlashInfer's fa2 decode for the leading decode requests and the core for the rest (no CUDA graphs: the
+  plan reads lengths on the host).
+
+V scales are stored linear, the order every reader reads.
 """
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 import torch
@@ -20,7 +29,8 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..attention import SUPPORTED_HEAD_SIZES, DequantWorkspace
-from ..attention.flashinfer_reader import (SWIZZLE_V_SCALES, CudaBatch, FlashInferNVFP4Decoder,
+from ..attention import NVFP4AttentionMetadata
+from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaBatch, FlashInferNVFP4Decoder,
                                            cuda_paged_attention, flashinfer_decode_unavailable_reason, plan_batch)
 from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
 from .common import LayerKVPolicy, check_nvfp4_layer, core_metadata, engine_kv_calibration
@@ -29,6 +39,17 @@ logger = init_logger("vllm.nvfp4_plugin.cuda")
 
 # Layers run one after another in a worker, so they share one dequantization workspace.
 _WORKSPACE = DequantWorkspace()
+
+
+READER_ENV = "VLLM_NVFP4_CUDA_READER"
+
+
+def selected_reader() -> str:
+    """The reader `VLLM_NVFP4_CUDA_READER` names (default "plugin"); raises naming the allowed values."""
+    reader = os.environ.get(READER_ENV, "plugin")
+    if reader not in CUDA_READERS:
+        raise ValueError(f"{READER_ENV} must be one of {CUDA_READERS}, got {reader!r}")
+    return reader
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
@@ -94,11 +115,10 @@ def shared_decode_params(vllm_config: VllmConfig, layer_names: list[str]) -> tup
     return params.pop()
 
 
-class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch]):
-    """Core metadata for every batch; plans FlashInfer's decode for the batch's leading decode requests
-    when fa2 can read this head size on this device."""
-
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER  # the core syncs with the host
+class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | NVFP4AttentionMetadata]):
+    """Core metadata for every batch. On a CUDA device with the "plugin" reader that is all the kernel needs;
+    with "fa2" it also plans FlashInfer's decode for the batch's leading decode requests when fa2 can read this
+    head size on this device. Elsewhere (a CPU device) the core serves every request."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):
@@ -107,8 +127,12 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch]):
             raise ValueError(f"the vllm_nvfp4_plugin CUSTOM backend serves NVFP4 KV caches only, got a "
                              f"{kv_cache_spec.kv_quant_mode} spec for layers {layer_names}")
         self._init_reorder_batch_threshold(1)  # decodes first: FlashInfer takes the leading run
+        self._plugin_kernel = selected_reader() == "plugin" and torch.device(device).type == "cuda"
         self._decoder: FlashInferNVFP4Decoder | None = None
         self._decode_params: tuple[int, torch.dtype, float] | None = None
+        if self._plugin_kernel:
+            logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the plugin's CUDA kernel")
+            return
         reason = flashinfer_decode_unavailable_reason(kv_cache_spec.head_size, device)
         if reason is None:
             self._decode_params = shared_decode_params(vllm_config, layer_names)
@@ -117,9 +141,18 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch]):
         elif reason is not None:
             logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the core only (%s)", reason)
 
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: AttentionSpec) -> AttentionCGSupport:
+        # The kernel's launch depends only on host-side bounds; the fa2 plan and the core read lengths on the host.
+        if selected_reader() == "plugin":
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return AttentionCGSupport.NEVER
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> CudaBatch:
+              fast_build: bool = False) -> CudaBatch | NVFP4AttentionMetadata:
         metadata = core_metadata(common_attn_metadata)
+        if self._plugin_kernel:
+            return metadata
         if self._decode_params is None:
             return CudaBatch(0, None, metadata)
         if self._decoder is None:  # the layout is resolved by the first build
@@ -134,7 +167,7 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch]):
                           num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size, q_dtype, sm_scale)
 
 
-class NVFP4CudaImpl(AttentionImpl[CudaBatch]):
+class NVFP4CudaImpl(AttentionImpl[CudaBatch | NVFP4AttentionMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
@@ -171,7 +204,7 @@ class NVFP4CudaImpl(AttentionImpl[CudaBatch]):
                                         layer._k_scale, layer._v_scale, SWIZZLE_V_SCALES)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: CudaBatch | None, output: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: CudaBatch | NVFP4AttentionMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:

@@ -1,4 +1,4 @@
-"""How vLLM's KV-cache spec and allocation map onto the NVFP4 page of FORMATS.md §1.
+"""How vLLM's KV-cache spec and allocation map onto the NVFP4 page of docs/FORMATS.md §1.
 
 vLLM sizes a layer's page from its `AttentionSpec` and hands the layer a view `[num_blocks, H, N, C]`
 of it (H head slots, N = block_size, C bytes), in the physical order of the resolved `KVCacheLayout`.
@@ -50,7 +50,7 @@ def customize_nvfp4_spec(spec: AttentionSpec) -> AttentionSpec:
 
 def page_view(kv_cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """vLLM's layer view `[num_blocks, 2·num_kv_heads, block_size, full_dim]` (NHD or HND layouts above) as
-    the `[num_blocks, 2, block_size, num_kv_heads, full_dim]` cache of FORMATS.md, over the same bytes."""
+    the `[num_blocks, 2, block_size, num_kv_heads, full_dim]` cache of docs/FORMATS.md, over the same bytes."""
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.size(1) != 2 * num_kv_heads:
         raise ValueError(f"NVFP4 kv_cache must be uint8 [num_blocks, 2*num_kv_heads={2 * num_kv_heads}, block_size, "
                          f"full_dim], got {kv_cache.dtype} of shape {tuple(kv_cache.shape)}")

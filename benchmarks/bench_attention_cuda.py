@@ -1,0 +1,264 @@
+"""NVFP4 paged attention on one CUDA GPU: the plugin's kernels against FlashInfer bf16, fp8 and NVFP4, same run.
+
+Decode (one query token a request, FlashInfer's tensor-core decode for the peers): every B×L in --decode, at the
+--heads head counts and head 128, plus heads 64 and 256 at the first shape (effective bandwidth). Prefill (causal):
+each --prefill case as `[count×]query_len[+cached]` (e.g. `4x8192`, `2048+30720` = a 2,048-token chunk after
+30,720 cached tokens), the plugin's fused kernel and its dequantize-to-bf16 + FlashInfer fa3 path against FlashInfer
+bf16 fa3 prefill over the same lengths.
+
+Times: medians of CUDA-event timings of a CUDA graph replaying each call --calls times (launch overhead out),
+caches of random bytes (no E4M3 NaN scale) in shuffled pages, 16-token pages. `floor` is the bytes the call must
+move (the NVFP4 cache it reads, the queries and outputs) over --bandwidth (the H200's measured device copy,
+4.2 TB/s); prefill reports TFLOP/s over its causal pairs. Prints a markdown table; --out FILE writes it too.
+
+    python benchmarks/bench_attention_cuda.py [--decode 32x8192,8x32768,1x32768,128x2048] [--heads 32/8,64/8]
+        [--prefill 4096,4x8192,2048+30720] [--peers bf16,fp8,nvfp4] [--calls 20] [--reps 15] [--out FILE]
+    python benchmarks/bench_attention_cuda.py --warm-flashinfer   # build FlashInfer's JIT modules first
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+import torch
+
+from cuda_timing import capture_graph, event_median_ms
+
+BLOCK_SIZE = 16
+FLASHINFER_WORKSPACE = 128 << 20
+
+
+def graph_ms(fn, calls: int, reps: int) -> float:
+    return event_median_ms(capture_graph([fn], calls, warmup_rounds=2).replay, reps) / calls
+
+
+def random_nvfp4_cache(layout: NVFP4PageLayout, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    cache = layout.allocate(num_blocks, "cuda")
+    data = torch.randint(0, 256, cache.shape, dtype=torch.uint8, device="cuda", generator=gen)
+    cache.copy_(torch.where((data & 0x7F) == 0x7F, data - 1, data))
+    return cache
+
+
+def paged_tables(seq_lens: list[int], gen: torch.Generator):
+    """(block_table int32 [B, max pages] over shuffled pages, FlashInfer's indptr / indices / last_page_len)."""
+    pages = [-(-c // BLOCK_SIZE) for c in seq_lens]
+    order = torch.randperm(sum(pages), device="cuda", generator=gen).to(torch.int32)
+    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device="cuda")
+    indptr = [0]
+    for r, n in enumerate(pages):
+        table[r, :n] = order[indptr[-1]:indptr[-1] + n]
+        indptr.append(indptr[-1] + n)
+    last = torch.tensor([c - (n - 1) * BLOCK_SIZE for c, n in zip(seq_lens, pages)], dtype=torch.int32)
+    return table, torch.tensor(indptr, dtype=torch.int32), order, last, sum(pages)
+
+
+def starts_of(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+class Case:
+    """Requests `(query_len, seq_len)` over a random NVFP4 cache; the op's arguments for them."""
+
+    def __init__(self, requests, q_heads, kv_heads, head, gen):
+        self.requests, self.q_heads, self.kv_heads, self.head = requests, q_heads, kv_heads, head
+        seq_lens = [c for _, c in requests]
+        from vllm_nvfp4_plugin.layout import NVFP4PageLayout
+
+        self.layout = NVFP4PageLayout(head, BLOCK_SIZE, kv_heads)
+        self.table, self.indptr, self.indices, self.last_page_len, num_blocks = paged_tables(seq_lens, gen)
+        self.cache = random_nvfp4_cache(self.layout, num_blocks, gen)
+        self.num_blocks = num_blocks
+        tokens = sum(n for n, _ in requests)
+        self.query = torch.randn(tokens, q_heads, head, device="cuda", dtype=torch.bfloat16, generator=gen)
+        self.out = torch.empty_like(self.query)
+        self.qo_indptr = starts_of([n for n, _ in requests])
+        self.kv_indptr = starts_of(seq_lens)
+        self.query_start_loc = self.qo_indptr.cuda()
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+        self.k_scale = torch.ones(1, device="cuda")
+        self.v_scale = torch.ones(1, device="cuda")
+        self.scale = head ** -0.5
+
+    def plugin(self):
+        from vllm_nvfp4_plugin import ops
+
+        ops.nvfp4_paged_attention(self.query, self.cache[:, 0], self.cache[:, 1], self.table, self.query_start_loc,
+                                  self.seq_lens, self.k_scale, self.v_scale, self.scale, True, False,
+                                  max(n for n, _ in self.requests), max(c for _, c in self.requests), self.out)
+
+    def nvfp4_bytes(self) -> int:
+        cached = sum(c for _, c in self.requests) * self.kv_heads * 2 * (self.layout.data_dim + self.layout.scale_dim)
+        return cached + 2 * self.query.numel() * self.query.element_size()
+
+    def causal_flops(self) -> float:
+        pairs = sum(n * (c - n) + n * (n + 1) / 2 for n, c in self.requests)
+        return 4.0 * pairs * self.q_heads * self.head
+
+
+def flashinfer_decode(case: Case, kv_dtype: torch.dtype, gen):
+    """FlashInfer tensor-core decode over a paged cache of `kv_dtype` with the case's shape and page order."""
+    import flashinfer
+
+    ws = torch.empty(FLASHINFER_WORKSPACE, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    wrapper.plan(case.indptr, case.indices, case.last_page_len, case.q_heads, case.kv_heads, case.head, BLOCK_SIZE,
+                 q_data_type=torch.bfloat16, kv_data_type=kv_dtype, sm_scale=case.scale)
+    shape = (case.num_blocks, 2, BLOCK_SIZE, case.kv_heads, case.head)
+    kv = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(kv_dtype)
+    return lambda: wrapper.run(case.query, kv, out=case.out), kv.numel() * kv.element_size()
+
+
+def flashinfer_nvfp4_decode(case: Case):
+    from vllm_nvfp4_plugin.attention.flashinfer_reader import FlashInferNVFP4Decoder
+
+    decoder = FlashInferNVFP4Decoder(torch.device("cuda"), hnd=False)
+    decoder.plan(case.table, torch.tensor([c for _, c in case.requests], dtype=torch.int32), case.q_heads,
+                 case.kv_heads, case.head, BLOCK_SIZE, torch.bfloat16, case.scale)
+    return lambda: decoder.run(case.query, case.cache[:, 0], case.cache[:, 1], 1.0, 1.0, case.out)
+
+
+def flashinfer_ragged_prefill(case: Case):
+    """FlashInfer's fa3 ragged prefill planned for the case; returns run(k, v)."""
+    import flashinfer
+
+    ws = torch.empty(FLASHINFER_WORKSPACE, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+    wrapper.plan(case.qo_indptr, case.kv_indptr, case.q_heads, case.kv_heads, case.head, causal=True,
+                 sm_scale=case.scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    return lambda k, v: wrapper.run(case.query, k, v, out=case.out)
+
+
+def warm_flashinfer(head_sizes: list[int]) -> None:
+    """Builds FlashInfer's JIT modules this benchmark uses (bf16/fp8/NVFP4 decode, fa3 prefill) on tiny shapes;
+    needs no plugin extension, so it can run while the extension builds."""
+    import flashinfer
+
+    ws = torch.empty(FLASHINFER_WORKSPACE, dtype=torch.uint8, device="cuda")
+    indptr, indices, last = (torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device="cuda"),
+                             torch.tensor([1], dtype=torch.int32))
+    for head in head_sizes:
+        q = torch.zeros(1, 8, head, dtype=torch.bfloat16, device="cuda")
+        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8):
+            if head != 128 and kv_dtype != torch.bfloat16:
+                continue
+            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+            w.plan(indptr, indices, last, 8, 2, head, BLOCK_SIZE, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+            if kv_dtype == torch.uint8:
+                data = torch.zeros(2, 1, BLOCK_SIZE, 2, head // 2, dtype=torch.uint8, device="cuda")
+                sf = torch.zeros(2, 1, BLOCK_SIZE, 2, head // 16, dtype=torch.uint8, device="cuda")
+                w.run(q, (data[0], data[1]), kv_cache_sf=(sf[0].view(torch.float8_e4m3fn), sf[1].view(torch.float8_e4m3fn)))
+            else:
+                w.run(q, torch.zeros(1, 2, BLOCK_SIZE, 2, head, device="cuda").to(kv_dtype))
+    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+    w.plan(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 8, 2, 128, causal=True,
+           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    kv = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device="cuda")
+    w.run(torch.zeros(4, 8, 128, dtype=torch.bfloat16, device="cuda"), kv, kv)
+    torch.cuda.synchronize()
+    print("FlashInfer modules built", flush=True)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    count, _, rest = text.rpartition("x")
+    return int(count or 1), rest
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--decode", default="32x8192,8x32768,1x32768,128x2048", help="decode shapes BxL")
+    parser.add_argument("--heads", default="32/8,64/8", help="query/KV head counts of the decode shapes")
+    parser.add_argument("--head-sizes", default="64,256", help="extra head sizes, timed at the first decode shape")
+    parser.add_argument("--prefill", default="4096,4x8192,2048+30720",
+                        help="causal prefill cases [count x]query_len[+cached tokens]; '' for none")
+    parser.add_argument("--peers", default="bf16,fp8,nvfp4", help="FlashInfer decode peers")
+    parser.add_argument("--calls", type=int, default=20, help="calls per captured graph")
+    parser.add_argument("--reps", type=int, default=15, help="graph replays timed (median)")
+    parser.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s of the byte floor")
+    parser.add_argument("--out", help="also write the table here")
+    parser.add_argument("--warm-flashinfer", action="store_true",
+                        help="only build FlashInfer's JIT modules for these head sizes (128 and --head-sizes), then exit")
+    args = parser.parse_args(argv)
+    if args.warm_flashinfer:
+        return warm_flashinfer([128] + [int(d) for d in args.head_sizes.split(",") if d])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    have_flashinfer = importlib.util.find_spec("flashinfer") is not None
+    peers = [p for p in args.peers.split(",") if p] if have_flashinfer else []
+    t = lambda fn: graph_ms(fn, args.calls, args.reps)  # noqa: E731
+
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.version.__version__}"
+             + (f", FlashInfer {__import__('flashinfer').__version__}" if have_flashinfer else ", no FlashInfer"), "",
+             "| decode B×L, heads, head size | plugin ms | floor ms | plugin TB/s | "
+             + " | ".join(f"FlashInfer {p} ms" for p in peers) + " |",
+             "| --- | ---: | ---: | ---: |" + " ---: |" * len(peers)]
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.decode.split(",") if s]
+    heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",") if h]
+    cases = [(b, l, hq, hkv, 128) for hq, hkv in heads for b, l in shapes]
+    cases += [(*shapes[0], *heads[0], int(d)) for d in args.head_sizes.split(",") if d]
+    for b, l, hq, hkv, d in cases:
+        case = Case([(1, l)] * b, hq, hkv, d, gen)
+        ms = t(case.plugin)
+        row = [f"{b}×{l}, {hq}/{hkv}, {d}", f"{ms:.4f}", f"{case.nvfp4_bytes() / args.bandwidth * 1e3:.4f}",
+               f"{case.nvfp4_bytes() / (ms * 1e-3) / 1e12:.2f}"]
+        for peer in peers:
+            if peer == "nvfp4" and d == 64:
+                row.append("misreads head 64")
+                continue
+            if peer == "nvfp4":
+                fn = flashinfer_nvfp4_decode(case)
+            else:
+                fn, _ = flashinfer_decode(case, torch.bfloat16 if peer == "bf16" else torch.float8_e4m3fn, gen)
+            row.append(f"{t(fn):.4f}")
+        lines.append("| " + " | ".join(row) + " |")
+        print(lines[-1], flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+    prefill = [p for p in args.prefill.split(",") if p]
+    if prefill:
+        lines += ["", "| causal prefill, 32/8 heads, head 128 | plugin fused ms | plugin dequant+fa3 ms | "
+                  "FlashInfer bf16 fa3 ms | fused / dequant+fa3 / bf16 TFLOP/s |", "| --- | ---: | ---: | ---: | --- |"]
+    for text in prefill:
+        count, rest = parse_shape(text)
+        n, _, cached = rest.partition("+")
+        n, cached = int(n), int(cached or 0)
+        case = Case([(n, n + cached)] * count, 32, 8, 128, gen)
+        fused = t(case.plugin)
+        row = [f"{count}×{n}" + (f" over {cached} cached" if cached else ""), f"{fused:.3f}"]
+        flops = case.causal_flops()
+        rates = [flops / (fused * 1e-3) / 1e12]
+        if have_flashinfer:
+            from vllm_nvfp4_plugin.attention.flashinfer_reader import DequantPrefill
+
+            dequant = DequantPrefill(torch.device("cuda"))
+            dequant.plan(case.qo_indptr, case.kv_indptr[1:] - case.kv_indptr[:-1], 32, 8, 128, True, case.scale)
+
+            def dequant_fa3():
+                dequant.run(case.query, case.cache, case.table, case.k_scale, case.v_scale, case.out)
+
+            ms = t(dequant_fa3)
+            run = flashinfer_ragged_prefill(case)
+            shape = (int(case.kv_indptr[-1]), 8, 128)
+            ref_k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+            ref_v = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+            bf16 = t(lambda: run(ref_k, ref_v))
+            row += [f"{ms:.3f}", f"{bf16:.3f}"]
+            rates += [flops / (ms * 1e-3) / 1e12, flops / (bf16 * 1e-3) / 1e12]
+        else:
+            row += ["", ""]
+        row.append(" / ".join(f"{r:.0f}" for r in rates))
+        lines.append("| " + " | ".join(row) + " |")
+        print(lines[-1], flush=True)
+        del case
+        torch.cuda.empty_cache()
+
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

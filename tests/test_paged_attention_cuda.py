@@ -1,0 +1,238 @@
+"""The CUDA `nvfp4_paged_attention` against the plain-torch oracle (fp32 attention over the dequantized cache).
+
+Every case: pages in shuffled order, unused page bytes 0xFF (NaN block scales, so a read past a request's length
+shows), garbage in unused block-table columns, output poisoned with NaN so unwritten rows show and rows past the
+batch's tokens must stay untouched. Accuracy: relative L2 error of the whole output ≤ 5e-3.
+"""
+
+import math
+
+import pytest
+import torch
+
+from vllm_nvfp4_plugin import ops, reference
+from vllm_nvfp4_plugin.layout import NVFP4PageLayout
+
+pytestmark = pytest.mark.gpu
+
+REL_L2 = 5e-3
+PAD_ROWS = 3
+
+
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+class Batch:
+    """Requests `(query_len, context_len)` over one NVFP4 cache; K/V written by the CUDA store op."""
+
+    def __init__(self, requests, *, head_size=128, kv_heads=2, group=4, block_size=16, hnd=False, swizzle=False,
+                 dtype=torch.bfloat16, causal=True, kv=None, seed=0, k_scale=0.75, v_scale=1.25):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle)
+        self.requests, self.causal, self.dtype = requests, causal, dtype
+        self.q_heads = kv_heads * group
+        pages = [-(-c // block_size) for _, c in requests]
+        num_blocks = sum(pages) + 3
+        self.cache = self.layout.allocate(num_blocks, "cuda", fill=0xFF)
+        order = torch.randperm(num_blocks, generator=self.gen)
+        table = torch.full((len(requests), max(pages) + 2), -7, dtype=torch.int32)
+        used = 0
+        for r, n in enumerate(pages):
+            table[r, :n] = order[used:used + n]
+            used += n
+        self.block_table = table.cuda()
+        self.k_scale = torch.tensor([k_scale], device="cuda")
+        self.v_scale = torch.tensor([v_scale], device="cuda")
+        for r, (_, c) in enumerate(requests):
+            k, v = (kv or self.randn)(c, kv_heads, head_size)
+            pos = torch.arange(c)
+            slots = table[r, pos // block_size].long() * block_size + pos % block_size
+            ops.reshape_and_cache_nvfp4(k.cuda(), v.cuda(), self.cache[:, 0], self.cache[:, 1], slots.cuda(),
+                                        self.k_scale, self.v_scale, swizzle)
+        self.num_tokens = sum(n for n, _ in requests)
+        self.query = self.randn(self.num_tokens + PAD_ROWS, self.q_heads, head_size)[0].cuda()
+        starts = [0]
+        for n, _ in requests:
+            starts.append(starts[-1] + n)
+        self.query_start_loc = torch.tensor(starts, dtype=torch.int32, device="cuda")
+        self.seq_lens = torch.tensor([c for _, c in requests], dtype=torch.int32, device="cuda")
+        self.scale = 1.0 / math.sqrt(head_size)
+
+    def randn(self, *shape):
+        return tuple(torch.randn(*shape, generator=self.gen).to(self.dtype) for _ in range(2))
+
+    def args(self, out, max_query_len=None, max_seq_len=None):
+        return (self.query, self.cache[:, 0], self.cache[:, 1], self.block_table, self.query_start_loc, self.seq_lens,
+                self.k_scale, self.v_scale, self.scale, self.causal, self.layout.swizzle_v_scales,
+                max_query_len or max(n for n, _ in self.requests), max_seq_len or max(c for _, c in self.requests),
+                out)
+
+    def run(self, **bounds) -> torch.Tensor:
+        out = torch.full_like(self.query, float("nan"))
+        ops.nvfp4_paged_attention(*self.args(out, **bounds))
+        return out
+
+    def reference(self) -> torch.Tensor:
+        out = torch.zeros(self.query.shape, dtype=torch.float32, device="cuda")
+        reference.nvfp4_paged_attention(*self.args(out))
+        return out
+
+    def check(self, out: torch.Tensor) -> float:
+        rows = self.num_tokens
+        assert torch.isnan(out[rows:]).all(), "rows past query_start_loc[-1] were written"
+        assert torch.isfinite(out[:rows]).all(), "a query row was left unwritten or is not finite"
+        err = rel_l2(out[:rows], self.reference()[:rows])
+        assert err <= REL_L2, f"relative L2 error {err:.2e} > {REL_L2}"
+        return err
+
+
+DECODES = [(1, 1), (1, 17), (1, 300), (1, 1025), (1, 4100)]
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("hnd", [False, True])
+@pytest.mark.parametrize("swizzle", [False, True])
+def test_decode_layouts(head_size, hnd, swizzle):
+    batch = Batch(DECODES, head_size=head_size, hnd=hnd, swizzle=swizzle)
+    batch.check(batch.run())
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_groups_and_dtypes(group, dtype):
+    batch = Batch(DECODES, group=group, dtype=dtype, seed=group)
+    batch.check(batch.run())
+
+
+def test_long_context_splits():
+    """One request over 40,000 tokens: the KV range is split across many CTAs and merged."""
+    batch = Batch([(1, 40000), (1, 3)], kv_heads=1, group=8, seed=3)
+    batch.check(batch.run())
+
+
+@pytest.mark.parametrize("next_n", [2, 3, 5])
+def test_multi_token_decode(next_n):
+    """next_n query tokens a request (speculative decode): causal inside the step, GQA rows share the tiles."""
+    batch = Batch([(next_n, 40), (next_n, 1000), (next_n, next_n)], group=8, seed=next_n)
+    batch.check(batch.run())
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("hnd", [False, True])
+def test_prefill_chunked_and_mixed(head_size, hnd):
+    """Decodes, a whole prompt, chunks after cached prefixes (causal offset), in one launch."""
+    requests = [(1, 500), (1, 33), (200, 200), (77, 1000), (64, 64), (5, 130)]
+    batch = Batch(requests, head_size=head_size, hnd=hnd, seed=head_size)
+    batch.check(batch.run())
+
+
+def test_non_causal():
+    batch = Batch([(1, 100), (50, 50), (30, 300)], causal=False, seed=5)
+    batch.check(batch.run())
+
+
+def test_loose_bounds():
+    """Host bounds above the real lengths (a CUDA graph's capture sizes) give the same result."""
+    batch = Batch([(1, 700), (9, 300)], seed=6)
+    exact = batch.run()
+    batch.check(exact)
+    loose = batch.run(max_query_len=64, max_seq_len=20000)
+    batch.check(loose)
+
+
+def _adversarial_kv(kind):
+    def make(n, heads, d):
+        g = torch.Generator().manual_seed(n)
+        x = torch.randn(2, n, heads, d, generator=g)
+        groups = x.view(2, n, heads, d // 16, 16)
+        if kind == "outliers":  # one element a group 200x the rest
+            groups[..., 3] *= 200.0
+        elif kind == "zero_groups":  # every other group all zero (block scale 0)
+            groups[..., ::2, :] = 0.0
+        elif kind == "saturated":  # block scales saturate at 448, codes at ±6
+            groups *= 1e4
+        return x[0].bfloat16(), x[1].bfloat16()
+    return make
+
+
+@pytest.mark.parametrize("kind", ["outliers", "zero_groups", "saturated"])
+def test_adversarial_values(kind):
+    batch = Batch([(1, 300), (1, 2000), (40, 500)], kv=_adversarial_kv(kind), seed=7, k_scale=1.0, v_scale=1.0)
+    if kind in ("outliers", "saturated"):
+        batch.scale = 1e-4  # keeps the logits in a range where fp32 reference and kernel agree on the softmax
+    batch.check(batch.run())
+
+
+def test_random_cache_bytes():
+    """Every code and scale bit pattern (subnormal and max block scales included), written straight into the pages."""
+    batch = Batch([(1, 700), (20, 900)], head_size=128, swizzle=True, seed=8)
+    g = torch.Generator().manual_seed(8)
+    data = torch.randint(0, 256, (batch.cache.numel(),), generator=g, dtype=torch.uint8)
+    data = torch.where((data & 0x7F) == 0x7F, data - 1, data)  # no E4M3 NaN scale
+    batch.cache.copy_(data.view(batch.cache.shape).cuda())
+    batch.scale = 1e-3
+    batch.check(batch.run())
+
+
+def test_cuda_graph_replay_with_new_lengths():
+    """Captured once at the bounds, replayed after the lengths and queries changed in place."""
+    batch = Batch([(1, 3000), (1, 2600), (1, 20)], group=4, seed=9)
+    out = torch.full_like(batch.query, float("nan"))
+    args = batch.args(out, max_query_len=1, max_seq_len=4096)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.nvfp4_paged_attention(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.nvfp4_paged_attention(*args)
+    batch.seq_lens.copy_(torch.tensor([17, 2500, 1], dtype=torch.int32))  # every request shrinks: its pages stay
+    batch.requests = [(1, 17), (1, 2500), (1, 1)]
+    batch.query.copy_(torch.randn(batch.query.shape, generator=batch.gen).to(batch.dtype))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    batch.check(out)
+
+
+def test_bad_inputs_name_the_argument():
+    batch = Batch([(1, 20)])
+    out = torch.empty_like(batch.query)
+    args = list(batch.args(out))
+    with pytest.raises(RuntimeError, match="query: dtype must be bfloat16 or float16"):
+        ops.nvfp4_paged_attention(batch.query.float(), *args[1:-1], out.float())
+    with pytest.raises(RuntimeError, match="out: must have query's dtype"):
+        ops.nvfp4_paged_attention(*args[:-1], out.half())
+    with pytest.raises(RuntimeError, match="query_start_loc"):
+        ops.nvfp4_paged_attention(args[0], *args[1:4], batch.query_start_loc[:1], *args[5:])
+
+
+def test_reader_routes_core_metadata_to_the_kernel():
+    """The CUDA reader's default: core metadata with host bounds goes to the kernel."""
+    from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata
+    from vllm_nvfp4_plugin.attention.flashinfer_reader import cuda_paged_attention
+
+    batch = Batch([(1, 300), (30, 80)], seed=10)
+    metadata = NVFP4AttentionMetadata(batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                      torch.empty(0, dtype=torch.int64, device="cuda"), True, 30, 300)
+    out = torch.full_like(batch.query, float("nan"))
+    cuda_paged_attention(batch.query, batch.cache, metadata, batch.scale, batch.k_scale, batch.v_scale, 0.75, 1.25,
+                         out)
+    batch.check(out)
+
+
+@pytest.mark.parametrize("requests", [[(4096, 4096)], [(64, 1000), (200, 200)]])
+def test_dequant_prefill_matches_reference(requests):
+    """The other prefill route: pages dequantized to bf16, FlashInfer fa3 ragged prefill (causal offset per request)."""
+    pytest.importorskip("flashinfer")
+    from vllm_nvfp4_plugin.attention.flashinfer_reader import DequantPrefill
+
+    batch = Batch(requests, seed=11)
+    prefill = DequantPrefill(torch.device("cuda"))
+    prefill.plan(batch.query_start_loc.cpu(), batch.seq_lens.cpu(), batch.q_heads, batch.layout.num_heads,
+                 batch.layout.head_size, True, batch.scale)
+    out = torch.full_like(batch.query, float("nan"))
+    prefill.run(batch.query, batch.cache, batch.block_table, batch.k_scale, batch.v_scale, out)
+    batch.check(out)
