@@ -93,6 +93,7 @@ def test_4over6_store_names_itself_in_errors():
         ops.reshape_and_cache_nvfp4_4over6(**args)
 
 
+@pytest.mark.vllm
 def test_a_sliding_window_that_covers_max_model_len_is_no_window():
     from vllm_nvfp4_plugin.vllm_adapter.common import effective_sliding_window
 

@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> dict:
     modes = [{"mode": "bf16", "capacity_tokens": bf16_tokens, "capacity_ratio": 1.0}]
     modes += [{"mode": name, "capacity_tokens": nvfp4_tokens, "capacity_ratio": nvfp4_tokens / bf16_tokens}
               for name in candidates_order]
-    report = {"model": str(args.model), "num_layers": num_layers, "num_kv_heads": num_kv_heads,
+    report = {"model": Path(args.model).name or str(args.model), "num_layers": num_layers,
+              "num_kv_heads": num_kv_heads,
               "head_size": head_size, "block_size": block_size, "budget_bytes": budget,
               "calibration_prompts": args.calibration_prompts, "eval_prompts": args.eval_prompts,
               "continuation_tokens": args.continuation_tokens, "error_budget": args.error_budget,
