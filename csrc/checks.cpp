@@ -376,4 +376,81 @@ void check_paged_block_ids(const char* op, const int32_t* block_table, int64_t t
   }
 }
 
+
+NVFP4PageLayout check_nvfp4_paged_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                                            const Tensor& block_table, const Tensor& query_start_loc,
+                                            const Tensor& seq_lens, const Tensor& k_scale, const Tensor& v_scale,
+                                            bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len,
+                                            const Tensor& out) {
+  const char* op = "nvfp4_paged_attention";
+  const NVFP4PageLayout layout = side_cache_layout(op, key_cache, value_cache, swizzle_v_scales);
+  NVFP4_CHECK(layout.head_size == 64 || layout.head_size == 128 || layout.head_size == 256, op,
+              ": key_cache: head size ", layout.head_size, " is not 64, 128 or 256");
+  check_dim(op, "query", query, 3, "[num_tokens, num_heads, head_size]");
+  check_dtype(op, "query", query, {ScalarType::BFloat16, ScalarType::Half, ScalarType::Float},
+              "bfloat16, float16 or float32");
+  NVFP4_CHECK(query.size(2) == layout.head_size, op, ": query: head size ", query.size(2),
+              " does not match key_cache's ", layout.head_size);
+  NVFP4_CHECK(query.size(1) > 0 && query.size(1) % layout.num_heads == 0, op, ": query: ", query.size(1),
+              " heads are not a positive multiple of key_cache's ", layout.num_heads, " KV heads");
+  NVFP4_CHECK(query.stride(2) == 1, op, ": query: the head dim must be contiguous (stride 1), got stride ",
+              query.stride(2));
+  check_same_device(op, "query", query, key_cache, "key_cache");
+  check_dim(op, "out", out, 3, "[num_tokens, num_heads, head_size]");
+  NVFP4_CHECK(out.scalar_type() == query.scalar_type(), op, ": out: dtype must be query's ", query.scalar_type(),
+              ", got ", out.scalar_type());
+  NVFP4_CHECK(out.size(0) == query.size(0) && out.size(1) == query.size(1) && out.size(2) == query.size(2), op,
+              ": out: must have query's shape ", shape_of(query), ", got ", shape_of(out));
+  NVFP4_CHECK(out.stride(2) == 1, op, ": out: the head dim must be contiguous (stride 1), got stride ",
+              out.stride(2));
+  check_same_device(op, "out", out, key_cache, "key_cache");
+  check_dim(op, "seq_lens", seq_lens, 1, "[num_reqs]");
+  const int64_t num_reqs = seq_lens.size(0);
+  check_metadata(op, "seq_lens", seq_lens, ScalarType::Int, "int32", {num_reqs}, "[num_reqs]", key_cache,
+                 "key_cache");
+  check_metadata(op, "query_start_loc", query_start_loc, ScalarType::Int, "int32", {num_reqs + 1},
+                 "[num_reqs + 1]", key_cache, "key_cache");
+  check_dtype(op, "block_table", block_table, {ScalarType::Int}, "int32");
+  check_dim(op, "block_table", block_table, 2, "[num_reqs, max_blocks]");
+  NVFP4_CHECK(block_table.size(0) >= num_reqs, op, ": block_table: needs a row for each of the ", num_reqs,
+              " requests, got shape ", shape_of(block_table));
+  NVFP4_CHECK(block_table.stride(1) == 1, op, ": block_table: rows must be contiguous, got stride ",
+              block_table.stride(1));
+  check_same_device(op, "block_table", block_table, key_cache, "key_cache");
+  check_global_scale(op, "k_scale", k_scale, key_cache);
+  check_global_scale(op, "v_scale", v_scale, key_cache);
+  NVFP4_CHECK(max_query_len >= 0, op, ": max_query_len: must be non-negative, got ", max_query_len);
+  NVFP4_CHECK(max_seq_len >= 0, op, ": max_seq_len: must be non-negative, got ", max_seq_len);
+  return layout;
+}
+
+void check_paged_attention_ranges(const char* op, const int32_t* query_start_loc, const int32_t* seq_lens,
+                                  int64_t num_reqs, int64_t query_rows, int64_t max_query_len, int64_t max_seq_len,
+                                  const int32_t* block_table, int64_t table_row_stride, int64_t table_cols,
+                                  int64_t block_size, int64_t num_blocks) {
+  NVFP4_CHECK(query_start_loc[0] == 0, op, ": query_start_loc: must start at 0, got ", query_start_loc[0]);
+  NVFP4_CHECK(query_start_loc[num_reqs] <= query_rows, op, ": query_start_loc: ", query_start_loc[num_reqs],
+              " query tokens do not fit query's ", query_rows, " rows");
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t query_len = int64_t{query_start_loc[r + 1]} - query_start_loc[r], seq_len = seq_lens[r];
+    NVFP4_CHECK(query_len >= 0, op, ": query_start_loc: must be non-decreasing, entry ", r + 1, " is ",
+                query_start_loc[r + 1], " after ", query_start_loc[r]);
+    NVFP4_CHECK(seq_len >= query_len, op, ": seq_lens: request ", r, " has ", query_len,
+                " query tokens but seq_len ", seq_len, " (the context must include the query tokens)");
+    NVFP4_CHECK(query_len <= max_query_len, op, ": max_query_len: request ", r, " has ", query_len,
+                " query tokens, more than max_query_len = ", max_query_len);
+    NVFP4_CHECK(seq_len <= max_seq_len, op, ": max_seq_len: request ", r, " has seq_len ", seq_len,
+                ", more than max_seq_len = ", max_seq_len);
+    const int64_t blocks_used = (seq_len + block_size - 1) / block_size;
+    NVFP4_CHECK(blocks_used <= table_cols, op, ": block_table: request ", r, " of ", seq_len, " tokens needs ",
+                blocks_used, " blocks, but block_table has ", table_cols, " columns");
+    if (query_len == 0) continue;  // its pages are not read
+    for (int64_t j = 0; j < blocks_used; ++j) {
+      const int32_t block = block_table[r * table_row_stride + j];
+      NVFP4_CHECK(block >= 0 && block < num_blocks, op, ": block_table: entry [", r, ", ", j, "] = ", block,
+                  " is not a block of the cache (", num_blocks, " blocks)");
+    }
+  }
+}
+
 }  // namespace vllm_nvfp4

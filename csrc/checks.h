@@ -1,4 +1,4 @@
-// Argument checks shared by the CPU and CUDA entry points of the six ops.
+// Argument checks shared by the CPU and CUDA entry points of the seven ops.
 //
 // Each check_<op> validates dtypes, shapes, strides and devices, and returns the cache layout the
 // kernel needs. Errors read "<op>: <argument>: <rule>". The data-dependent checks (slot and block
@@ -61,6 +61,22 @@ PagedMqaLogitsShape check_indexer_paged_mqa_logits(const Tensor& q, const Tensor
 void check_paged_block_ids(const char* op, const int32_t* block_table, int64_t table_row_stride,
                            const int32_t* context_lens, int64_t batch, int64_t next_n, int64_t columns,
                            int64_t block_size, int64_t num_blocks);
+
+// nvfp4_paged_attention: query and out `[tokens, heads, head_size]` of one float dtype, heads a multiple of the
+// cache's KV heads, head size 64, 128 or 256; int32 metadata; returns the cache layout.
+NVFP4PageLayout check_nvfp4_paged_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                                            const Tensor& block_table, const Tensor& query_start_loc,
+                                            const Tensor& seq_lens, const Tensor& k_scale, const Tensor& v_scale,
+                                            bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len,
+                                            const Tensor& out);
+
+// The batch's lengths read on the host: query_start_loc non-decreasing from 0 up to at most query_rows, every
+// request's query inside its seq_lens, both within the host-side bounds, and every block its context uses a
+// block_table column that names a block of the cache.
+void check_paged_attention_ranges(const char* op, const int32_t* query_start_loc, const int32_t* seq_lens,
+                                  int64_t num_reqs, int64_t query_rows, int64_t max_query_len, int64_t max_seq_len,
+                                  const int32_t* block_table, int64_t table_row_stride, int64_t table_cols,
+                                  int64_t block_size, int64_t num_blocks);
 
 // Every non-negative slot must lie in the cache's num_slots.
 void check_slot_range(const char* op, const int64_t* slots, int64_t num_tokens, int64_t num_slots);

@@ -1,14 +1,14 @@
 """Attention over the NVFP4 paged KV cache, independent of vLLM.
 
-The path here runs on any device the plugin's ops run on: store the step's keys and values into the
-cache, gather and dequantize every request's context (cached prefix, earlier chunks and this step's
-tokens alike) into a float32 workspace, and attend with torch's SDPA. Every query therefore reads
-its keys and values through the quantized cache, whether it is a decode step, a prefill chunk over
-a cached prefix, or a whole prompt.
+A step stores its keys and values into the cache, then every query reads its keys and values through the
+quantized cache, whether it is a decode step, a prefill chunk over a cached prefix, or a whole prompt.
 
-Each request is attended on its own slice of the workspace (no padding, no copies): a decode step
-unmasked, a whole prompt with SDPA's causal mask, a chunk after cached context with a causal mask
-whose diagonal is offset by the context that precedes the chunk.
+`paged_attention` runs a whole batch in one call of the plugin's `nvfp4_paged_attention` op on CPU tensors (it
+reads the NVFP4 pages directly). `paged_attention_reference` is the same contract in plain ops: it gathers and
+dequantizes every request's context into a float32 workspace and attends with torch's SDPA, each request on its
+own slice (a decode step unmasked, a whole prompt with SDPA's causal mask, a chunk after cached context with a
+causal mask whose diagonal is offset by the context before it). It serves the other devices and is the tests'
+second reference.
 """
 
 from __future__ import annotations
@@ -75,15 +75,9 @@ class DequantWorkspace:
         return self._key[:numel].view(shape), self._value[:numel].view(shape)
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4AttentionMetadata, scale: float,
-                    k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor, *,
-                    swizzle_v_scales: bool = False, workspace: DequantWorkspace | None = None) -> torch.Tensor:
-    """Attention of `query` `[num_tokens, num_heads, head]` over the NVFP4 cache into `out` (same shape).
-
-    Rows past `metadata.num_query_tokens` (padding) are left untouched. `k_scale`/`v_scale` are the
-    float32 global dequant scales the cache was written with.
-    """
-    layout = cache_layout(kv_cache, swizzle_v_scales)
+def _check_batch(query: torch.Tensor, layout: NVFP4PageLayout, metadata: NVFP4AttentionMetadata,
+                 out: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(query_start_loc, seq_lens) as lists; raises naming the rule a batch breaks."""
     num_tokens, num_heads, head_size = query.shape
     if head_size != layout.head_size or num_heads % layout.num_heads:
         raise ValueError(f"query [tokens, heads, head] = {tuple(query.shape)} does not fit the cache's "
@@ -98,18 +92,50 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4
     if any(q > s for q, s in zip(query_lens, seq_lens)):
         raise ValueError(f"each request's seq_lens must include its query tokens, got query lens {query_lens} "
                          f"and seq_lens {seq_lens}")
+    return query_start, seq_lens
 
+
+def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4AttentionMetadata, scale: float,
+                    k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor, *,
+                    swizzle_v_scales: bool = False, workspace: DequantWorkspace | None = None) -> torch.Tensor:
+    """Attention of `query` `[num_tokens, num_heads, head]` over the NVFP4 cache into `out` (same shape).
+
+    Rows past `metadata.num_query_tokens` (padding) are left untouched. `k_scale`/`v_scale` are the
+    float32 global dequant scales the cache was written with. CPU tensors take the plugin's kernel, with the
+    metadata's host-side length bounds where set and the batch's own lengths otherwise; other devices take
+    `paged_attention_reference` (with `workspace`).
+    """
+    if not query.is_cpu:
+        return paged_attention_reference(query, kv_cache, metadata, scale, k_scale, v_scale, out,
+                                         swizzle_v_scales=swizzle_v_scales, workspace=workspace)
+    layout = cache_layout(kv_cache, swizzle_v_scales)
+    query_start, seq_lens = _check_batch(query, layout, metadata, out)
+    max_query_len = metadata.max_query_len or max((e - s for s, e in zip(query_start, query_start[1:])), default=0)
+    max_seq_len = metadata.max_seq_len or max(seq_lens, default=0)
+    kv_ops.nvfp4_paged_attention(query, kv_cache[:, 0], kv_cache[:, 1], metadata.block_table,
+                                 metadata.query_start_loc, metadata.seq_lens, k_scale, v_scale, scale,
+                                 metadata.causal, swizzle_v_scales, max_query_len, max_seq_len, out)
+    return out
+
+
+def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4AttentionMetadata,
+                              scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor, *,
+                              swizzle_v_scales: bool = False,
+                              workspace: DequantWorkspace | None = None) -> torch.Tensor:
+    """`paged_attention` by gathering each request's context into a float32 workspace and torch's SDPA."""
+    layout = cache_layout(kv_cache, swizzle_v_scales)
+    query_start, seq_lens = _check_batch(query, layout, metadata, out)
     context_start = [0]
     for s in seq_lens:
         context_start.append(context_start[-1] + s)
     workspace = workspace or DequantWorkspace()
-    key, value = workspace.get(context_start[-1], layout.num_heads, head_size, query.device)
+    key, value = workspace.get(context_start[-1], layout.num_heads, layout.head_size, query.device)
     cu_seq_lens = torch.tensor(context_start, dtype=torch.int32).to(query.device)
     kv_ops.gather_nvfp4_kv_cache(kv_cache[:, 0], kv_cache[:, 1], metadata.block_table, cu_seq_lens,
                                  k_scale, v_scale, swizzle_v_scales, key, value)
 
     for r in range(metadata.num_reqs):
-        if query_lens[r]:
+        if query_start[r + 1] > query_start[r]:
             q_slice = slice(query_start[r], query_start[r + 1])
             kv_slice = slice(context_start[r], context_start[r + 1])
             out[q_slice] = _attend(query[q_slice], key[kv_slice], value[kv_slice], scale, metadata.causal)

@@ -1,0 +1,652 @@
+// CPU kernel of nvfp4_paged_attention (schema in library.cpp, argument checks in checks.h): attention read
+// straight from the NVFP4 pages, for decode, prefill and chunked prefill of a whole batch in one call.
+//
+// Work. A unit is (request, KV head, block of query rows); the block's rows times the G = Hq / Hkv query heads
+// of the KV head ("pairs") share every dequantized tile of 16 keys. Keys are cut at fixed positions into splits
+// of SPLIT keys. Each pair attends split by split (an online softmax over the split's tiles), and the splits'
+// partial results (max, sum, weighted values) are merged in split order by one function. A unit runs either as
+// one task that merges as it goes, or, for decode-sized units of a small batch, as one task per split whose
+// partials a second pass merges. Both run the same operations in the same order, so a result depends neither on
+// the plan nor on the thread count, nor on the other rows of its unit: a prompt fed in chunks gives the bytes
+// of the prompt in one step, and a decode row those of the same row in a prefill.
+//
+// Arithmetic, per tile of 16 keys: the keys' E2M1 codes are transposed (16 x 16 blocks of 32-bit words) so that
+// a vector holds one dimension of the 16 keys, decoded as e2m1 · SF (exact in float32) and multiplied by each
+// query's broadcast element: one fused multiply-add per dimension gives 16 scores, no horizontal sums. Values
+// are decoded by rows as e2m1 · SF and accumulated with the probabilities broadcast. Scores, softmax and sums
+// are float32; k_scale is folded into the score scale and v_scale into the final 1 / sum. Like cpu_ops.cpp,
+// the tile kernel exists as AVX-512, AVX2 and baseline x86-64 code (cpu_isa.h).
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+#include <torch/headeronly/util/BFloat16.h>
+#include <torch/headeronly/util/Half.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "checks.h"
+#include "cpu_isa.h"
+#include "cpu_simd.h"
+#include "error.h"
+#include "layout.h"
+#include "quant.h"
+
+namespace vllm_nvfp4 {
+namespace {
+
+using simd::f32x16;
+using simd::i32x16;
+using simd::u32x16;
+using torch::headeronly::ScalarType;
+
+constexpr int TILE = 16;            // keys a tile holds, one per vector lane
+constexpr int64_t SPLIT = 512;      // keys a split holds; splits start at multiples of SPLIT
+constexpr int64_t UNIT_PAIRS = 32;  // (query row, head) pairs a unit holds, at least one row
+// Units of at most SPLIT_UNIT_ROWS rows run one task per split when the batch has fewer than SPLIT_BATCH_UNITS
+// units (decode of a small batch: a unit per KV head leaves threads idle), within PARTIAL_FLOATS_MAX of partials.
+constexpr int64_t SPLIT_UNIT_ROWS = 4;
+constexpr int64_t SPLIT_BATCH_UNITS = 64;
+constexpr int64_t PARTIAL_FLOATS_MAX = int64_t{1} << 25;
+// Below this many (pair, key) scores a call runs on one thread: waking the OpenMP team costs more.
+constexpr int64_t PARALLEL_MIN_SCORES = int64_t{1} << 15;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+#define NVFP4_INLINE inline __attribute__((always_inline))
+
+// --- what every task reads ------------------------------------------------------------------------------
+
+struct Batch {
+  NVFP4PageLayout layout;
+  int64_t group;  // query heads per KV head
+  const uint8_t* key_base;
+  const uint8_t* value_base;
+  int64_t block_stride;
+  const int32_t* block_table;
+  int64_t table_stride;
+  float score_scale;  // scale · k_scale
+  float v_global;
+  bool causal;
+  int64_t v_scale_delta[4][NVFP4_GROUP];  // V scale s of token t: scale_offset(t - t % 4, h, 0, false) + [t % 4][s]
+};
+
+struct Unit {
+  int64_t request, kv_head;
+  int64_t row0, rows;  // query rows [row0, row0 + rows) of the batch
+  int64_t pos0;        // the context position of row0
+  int64_t seq_len;
+  int64_t key_end;     // keys [0, key_end) are seen by some row
+  int64_t partials;    // offset of the unit's per-split partials, or -1: one task merges as it goes
+
+  int64_t splits() const { return (key_end + SPLIT - 1) / SPLIT; }
+  // Keys [0, visible_end(i)) are seen by row row0 + i.
+  int64_t visible_end(const Batch& b, int64_t i) const { return b.causal ? pos0 + i + 1 : seq_len; }
+  // The first row that sees key `key` (rows see growing prefixes).
+  int64_t first_row_seeing(const Batch& b, int64_t key) const {
+    return b.causal ? std::clamp<int64_t>(key - pos0, 0, rows) : 0;
+  }
+};
+
+// The softmax state of `pairs` (query row, head) pairs over some keys: running max m, sum l and the
+// probability-weighted values acc [pairs][D]. l == 0: no key seen.
+struct State {
+  std::unique_ptr<float[]> m, l, acc;
+  State(int64_t pairs, int64_t head_size)
+      : m(new float[pairs]), l(new float[pairs]), acc(new float[pairs * head_size]) {}
+};
+
+// One thread's buffers. Left uninitialized: every part read was written first.
+struct Scratch {
+  int64_t head_size;
+  std::unique_ptr<float[]> q;       // [pairs][D] float32 queries
+  std::unique_ptr<float[]> keys;    // [D][TILE]: dimension d of the tile's keys
+  std::unique_ptr<float[]> values;  // [TILE][D]
+  std::unique_ptr<float[]> probs;   // [pairs][TILE]
+  std::unique_ptr<float[]> alpha;   // [pairs]: the factor that rescales a pair's sums for this tile
+  State split, total;
+
+  Scratch(int64_t pairs, int64_t head_size)
+      : head_size(head_size), q(new float[pairs * head_size]), keys(new float[head_size * TILE]),
+        values(new float[TILE * head_size]), probs(new float[pairs * TILE]), alpha(new float[pairs]),
+        split(pairs, head_size), total(pairs, head_size) {}
+};
+
+// --- vector helpers -------------------------------------------------------------------------------------
+
+NVFP4_INLINE f32x16 load(const float* p) { return simd::load16(p); }
+NVFP4_INLINE void store(f32x16 v, float* p) { simd::store16(v, p); }
+// A shuffle of lane 0, which compiles to one broadcast (f32x16{} + x is an addition the compiler must keep
+// without fast math, and a 16-element initializer is built lane by lane).
+NVFP4_INLINE f32x16 broadcast(float x) {
+  const f32x16 v = {x};
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+}
+
+// a · b + c: fused where the instruction set has it (the baseline rounds the product first).
+template <Isa I>
+struct Fma {
+  static inline f32x16 apply(f32x16 a, f32x16 b, f32x16 c) { return a * b + c; }
+};
+#if NVFP4_X86
+template <>
+struct Fma<Isa::Avx512> {
+  NVFP4_TARGET_AVX512 static inline f32x16 apply(f32x16 a, f32x16 b, f32x16 c) {
+    return __builtin_bit_cast(f32x16, _mm512_fmadd_ps(__builtin_bit_cast(__m512, a), __builtin_bit_cast(__m512, b),
+                                                      __builtin_bit_cast(__m512, c)));
+  }
+};
+template <>
+struct Fma<Isa::Avx2> {
+  typedef float f32x8 __attribute__((vector_size(32)));
+  NVFP4_TARGET_AVX2 static inline f32x8 half(f32x16 v, int h) {
+    return h ? __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+             : __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  }
+  NVFP4_TARGET_AVX2 static inline f32x16 apply(f32x16 a, f32x16 b, f32x16 c) {
+    const f32x8 lo = __builtin_bit_cast(f32x8, _mm256_fmadd_ps(__builtin_bit_cast(__m256, half(a, 0)),
+                                                               __builtin_bit_cast(__m256, half(b, 0)),
+                                                               __builtin_bit_cast(__m256, half(c, 0))));
+    const f32x8 hi = __builtin_bit_cast(f32x8, _mm256_fmadd_ps(__builtin_bit_cast(__m256, half(a, 1)),
+                                                               __builtin_bit_cast(__m256, half(b, 1)),
+                                                               __builtin_bit_cast(__m256, half(c, 1))));
+    return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+};
+#endif
+
+// exp(x) for x <= 0 (Cephes' expf: x = n·ln 2 + r, |r| <= ln2 / 2, a degree-7 polynomial, times 2^n), within
+// 2 ulp; below -87 it returns exp(-87) instead of a denormal or 0 (callers mask the lanes that must be 0).
+template <Isa I>
+inline f32x16 exp_nonpositive(f32x16 x) {
+  using F = Fma<I>;
+  x = simd::max(x, broadcast(-87.0f));
+  const f32x16 round = broadcast(12582912.0f);  // 1.5 · 2^23: adding it rounds to an integer
+  const f32x16 n = (x * 1.44269504088896341f + round) - round;
+  f32x16 r = F::apply(n, broadcast(-0.693359375f), x);  // ln 2 in two parts: n · ln2_hi is exact
+  r = F::apply(n, broadcast(2.12194440e-4f), r);
+  f32x16 y = broadcast(1.9875691500e-4f);
+  y = F::apply(y, r, broadcast(1.3981999507e-3f));
+  y = F::apply(y, r, broadcast(8.3334519073e-3f));
+  y = F::apply(y, r, broadcast(4.1665795894e-2f));
+  y = F::apply(y, r, broadcast(1.6666665459e-1f));
+  y = F::apply(y, r, broadcast(5.0000001201e-1f));
+  y = F::apply(y, r * r, r + 1.0f);
+  const u32x16 scale = __builtin_convertvector(__builtin_convertvector(n, i32x16) + 127, u32x16) << 23;
+  return y * simd::as_f32(scale);
+}
+
+template <Isa I>
+inline float exp_nonpositive(float x) {
+  return exp_nonpositive<I>(broadcast(x))[0];
+}
+
+// Every lane ends up holding the maximum / the sum of the 16 lanes (a fixed pairwise order).
+NVFP4_INLINE float lanes_max(f32x16 v) {
+  v = simd::max(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = simd::max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = simd::max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  return simd::max(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))[0];
+}
+NVFP4_INLINE float lanes_sum(f32x16 v) {
+  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  return (v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))[0];
+}
+
+// LANE_MASKS[n]: all ones in lanes 0..n-1.
+struct LaneMasks {
+  u32x16 mask[TILE + 1];
+  LaneMasks() {
+    for (int n = 0; n <= TILE; ++n)
+      for (int j = 0; j < TILE; ++j) mask[n][j] = j < n ? ~0u : 0u;
+  }
+};
+const LaneMasks LANE_MASKS;
+
+// Transposes a 16 x 16 matrix of 32-bit words in four rounds; round s swaps the off-diagonal s x s blocks of
+// each 2s x 2s block (rows i and i + s exchange their lanes of bit s).
+NVFP4_INLINE void transpose_words(u32x16 (&m)[16]) {
+  for (int i = 0; i < 8; ++i) {
+    const u32x16 a = m[i], b = m[i + 8];
+    m[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    m[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 16; i += 8)
+    for (int k = i; k < i + 4; ++k) {
+      const u32x16 a = m[k], b = m[k + 4];
+      m[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+      m[k + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+  for (int i = 0; i < 16; i += 4)
+    for (int k = i; k < i + 2; ++k) {
+      const u32x16 a = m[k], b = m[k + 2];
+      m[k] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+      m[k + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    }
+  for (int k = 0; k < 16; k += 2) {
+    const u32x16 a = m[k], b = m[k + 1];
+    m[k] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+    m[k + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  }
+}
+
+// --- one tile ---------------------------------------------------------------------------------------------
+
+// quant.h's e4m3_decode of every byte: a value row's block scales are table loads.
+struct E4m3Values {
+  float value[256];
+  E4m3Values() {
+    for (int code = 0; code < 256; ++code) value[code] = e4m3_decode(static_cast<uint8_t>(code));
+  }
+};
+const E4m3Values E4M3;
+
+// Where a tile's keys sit: per key, its codes and scales on both sides.
+struct TileTokens {
+  int n;  // keys in the tile
+  const uint8_t* key_data[TILE];
+  const uint8_t* key_scales[TILE];
+  const uint8_t* value_data[TILE];
+  const uint8_t* value_scales[TILE];  // scale_offset(t - t % 4, h, 0, false)
+  const int64_t* value_delta[TILE];   // the rows of Batch::v_scale_delta for t % 4
+};
+
+// Walks a request's pages tile by tile.
+struct TileCursor {
+  const Batch& b;
+  const int32_t* pages;
+  int64_t kv_head, page, offset;
+
+  TileCursor(const Batch& b, const Unit& u, int64_t key)
+      : b(b), pages(b.block_table + u.request * b.table_stride), kv_head(u.kv_head),
+        page(key / b.layout.block_size), offset(key % b.layout.block_size) {}
+
+  // Locates the next n keys and asks the memory system for their bytes.
+  void next(int n, TileTokens& t) {
+    const NVFP4PageLayout& layout = b.layout;
+    t.n = n;
+    for (int j = 0; j < n; ++j) {
+      const int64_t block = pages[page] * b.block_stride;
+      const uint8_t* key_side = b.key_base + block;
+      const uint8_t* value_side = b.value_base + block;
+      const int64_t data = layout.data_offset(offset, kv_head);
+      t.key_data[j] = key_side + data;
+      t.key_scales[j] = key_side + layout.scale_offset(offset, kv_head, 0, false);
+      t.value_data[j] = value_side + data;
+      t.value_scales[j] = value_side + layout.scale_offset(offset - offset % 4, kv_head, 0, false);
+      t.value_delta[j] = b.v_scale_delta[offset % 4];
+      for (int64_t line = 0; line < layout.data_dim(); line += 64) {
+        __builtin_prefetch(t.key_data[j] + line);
+        __builtin_prefetch(t.value_data[j] + line);
+      }
+      __builtin_prefetch(t.key_scales[j]);
+      __builtin_prefetch(t.value_scales[j]);
+      if (++offset == layout.block_size) {
+        offset = 0;
+        ++page;
+      }
+    }
+  }
+};
+
+// keys[d][j] = e2m1 · SF of dimension d of key j (zeros for j >= n). Key j's 8 code bytes per 16 dimensions,
+// read as 32-bit words (word w: dimensions 8w..8w+7, low nibble first), are transposed so that word w of all
+// keys is one vector; nibble e of it is dimension 8w + e of the 16 keys.
+template <Isa I, int D>
+NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys) {
+  constexpr int WORDS = D / 8, SCALE_WORDS = D / NVFP4_GROUP / 4;
+  // The block scales, four a word; scale_words[w][j]: scales 4w..4w+3 of key j.
+  alignas(64) uint32_t scale_words[SCALE_WORDS][TILE] = {};
+  for (int j = 0; j < t.n; ++j)
+    for (int w = 0; w < SCALE_WORDS; ++w) std::memcpy(&scale_words[w][j], t.key_scales[j] + 4 * w, 4);
+  f32x16 sf[4 * SCALE_WORDS];
+  for (int w = 0; w < SCALE_WORDS; ++w) {
+    u32x16 word;
+    std::memcpy(&word, scale_words[w], sizeof word);
+    for (int e = 0; e < 4; ++e) sf[4 * w + e] = simd::e4m3_decode<I >= Isa::Avx512>((word >> (8 * e)) & 0xFFu);
+  }
+  for (int w0 = 0; w0 < WORDS; w0 += 16) {
+    constexpr int BYTES = 4 * std::min(16, WORDS);
+    u32x16 words[16];
+    for (int j = 0; j < TILE; ++j) {
+      words[j] = u32x16{};
+      if (j < t.n) std::memcpy(&words[j], t.key_data[j] + 4 * w0, BYTES);
+    }
+    transpose_words(words);
+    for (int w = w0; w < std::min(w0 + 16, WORDS); ++w) {
+      const u32x16 word = words[w - w0];
+      const f32x16 scale = sf[w / 2];
+      for (int e = 0; e < 8; ++e)  // shuffle indices are taken modulo 16: the nibble needs no mask
+        store(__builtin_shuffle(simd::E2M1_VALUES, word >> (4 * e)) * scale, keys + (8 * w + e) * TILE);
+    }
+  }
+}
+
+// Value rows hold each 32 dimensions as the 16 even ones, then the 16 odd ones: the low and high nibbles of 16
+// code bytes. The weighted sums keep that order (they are sums of rows); write_rows puts it back.
+// values[j] = e2m1 · SF of key j, for j < n: per 32 dimensions, the 16 possible values of each of the
+// two groups form one 32-entry table that both nibble vectors index (the second group's lanes offset by 16).
+template <int D>
+NVFP4_INLINE void decode_values(const TileTokens& t, float* values) {
+  constexpr int SCALES = D / NVFP4_GROUP;
+  const u32x16 second_group = {0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
+  for (int j = 0; j < t.n; ++j) {
+    const uint8_t* data = t.value_data[j];
+    const uint8_t* scales = t.value_scales[j];
+    const int64_t* delta = t.value_delta[j];
+    float* row = values + j * D;
+    for (int s = 0; s < SCALES; s += 2) {
+      const f32x16 first = simd::E2M1_VALUES * broadcast(E4M3.value[scales[delta[s]]]);
+      const f32x16 second = simd::E2M1_VALUES * broadcast(E4M3.value[scales[delta[s + 1]]]);
+      simd::u8x16 bytes;
+      std::memcpy(&bytes, data + s * NVFP4_GROUP / 2, sizeof bytes);
+      const u32x16 codes = __builtin_convertvector(bytes, u32x16);
+      store(__builtin_shuffle(first, second, (codes & 0xFu) | second_group), row + s * NVFP4_GROUP);
+      store(__builtin_shuffle(first, second, (codes >> 4) | second_group), row + s * NVFP4_GROUP + 16);
+    }
+  }
+}
+
+// Scores of pairs [first, last) for the tile's 16 keys: Σ_d q[d] · keys[d], one multiply-add chain per pair,
+// four pairs at a time.
+template <Isa I, int D>
+NVFP4_INLINE void tile_scores(const float* q, const float* keys, int64_t first, int64_t last, float* scores) {
+  using F = Fma<I>;
+  int64_t p = first;
+  for (; p + 4 <= last; p += 4) {
+    const float* q0 = q + p * D;
+    f32x16 s0 = {}, s1 = {}, s2 = {}, s3 = {};
+    for (int d = 0; d < D; ++d) {
+      const f32x16 k = load(keys + d * TILE);
+      s0 = F::apply(broadcast(q0[d]), k, s0);
+      s1 = F::apply(broadcast(q0[D + d]), k, s1);
+      s2 = F::apply(broadcast(q0[2 * D + d]), k, s2);
+      s3 = F::apply(broadcast(q0[3 * D + d]), k, s3);
+    }
+    store(s0, scores + p * TILE);
+    store(s1, scores + (p + 1) * TILE);
+    store(s2, scores + (p + 2) * TILE);
+    store(s3, scores + (p + 3) * TILE);
+  }
+  for (; p < last; ++p) {
+    f32x16 s = {};
+    for (int d = 0; d < D; ++d) s = F::apply(broadcast(q[p * D + d]), load(keys + d * TILE), s);
+    store(s, scores + p * TILE);
+  }
+}
+
+// One split of one unit: the state of every pair whose row sees the split (the others keep l = 0).
+template <Isa I, int D>
+NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split, Scratch& scratch) {
+  const int64_t group = b.group, pairs = u.rows * group;
+  State& st = scratch.split;
+  std::fill(st.m.get(), st.m.get() + pairs, NEG_INF);
+  std::fill(st.l.get(), st.l.get() + pairs, 0.0f);
+  const int64_t key_begin = split * SPLIT, key_end = std::min(key_begin + SPLIT, u.key_end);
+  const int64_t first_row = u.first_row_seeing(b, key_begin);
+  std::fill(st.acc.get() + first_row * group * D, st.acc.get() + pairs * D, 0.0f);
+  TileCursor cursor(b, u, key_begin);
+  TileTokens tiles[2];  // this tile's keys, and the next one's, fetched ahead
+  cursor.next(static_cast<int>(std::min<int64_t>(TILE, key_end - key_begin)), tiles[0]);
+  for (int64_t key0 = key_begin, i = 0; key0 < key_end; key0 += TILE, i ^= 1) {
+    const TileTokens& tokens = tiles[i];
+    if (key0 + TILE < key_end) cursor.next(static_cast<int>(std::min<int64_t>(TILE, key_end - key0 - TILE)), tiles[i ^ 1]);
+    decode_keys<I, D>(tokens, scratch.keys.get());
+    const int64_t tile_row = u.first_row_seeing(b, key0), first = tile_row * group;
+    tile_scores<I, D>(scratch.q.get(), scratch.keys.get(), first, pairs, scratch.probs.get());
+    // Online softmax: each pair's new max, its probabilities (exactly 0 for keys its row does not see) and the
+    // factor exp(old max - new max) for its sums; 1 (skipped) when the max did not grow.
+    for (int64_t p = first; p < pairs; ++p) {
+      const int64_t seen = std::min<int64_t>(u.visible_end(b, p / group), key_end) - key0;
+      const u32x16 mask = LANE_MASKS.mask[std::min<int64_t>(seen, TILE)];
+      float* prob = scratch.probs.get() + p * TILE;
+      const f32x16 scores =
+          simd::as_f32(simd::select(mask, simd::as_u32(load(prob) * b.score_scale), simd::as_u32(broadcast(NEG_INF))));
+      const float m = std::max(st.m[p], lanes_max(scores));
+      float alpha = 1.0f;
+      if (m > st.m[p]) {
+        alpha = exp_nonpositive<I>(st.m[p] - m);
+        st.m[p] = m;
+      }
+      const f32x16 probs = simd::as_f32(simd::as_u32(exp_nonpositive<I>(scores - m)) & mask);
+      st.l[p] = st.l[p] * alpha + lanes_sum(probs);
+      store(probs, prob);
+      scratch.alpha[p] = alpha;
+    }
+    decode_values<D>(tokens, scratch.values.get());
+    for (int64_t p = first; p < pairs; ++p) {
+      const int64_t seen = std::min<int64_t>(std::min<int64_t>(u.visible_end(b, p / group), key_end) - key0, TILE);
+      float* acc = st.acc.get() + p * D;
+      const float* prob = scratch.probs.get() + p * TILE;
+      f32x16 sums[D / 16];
+      for (int c = 0; c < D / 16; ++c) sums[c] = load(acc + 16 * c);
+      if (scratch.alpha[p] != 1.0f)
+        for (int c = 0; c < D / 16; ++c) sums[c] *= scratch.alpha[p];
+      for (int j = 0; j < seen; ++j) {
+        const f32x16 pj = broadcast(prob[j]);
+        const float* v = scratch.values.get() + j * D;
+        for (int c = 0; c < D / 16; ++c) sums[c] = Fma<I>::apply(pj, load(v + 16 * c), sums[c]);
+      }
+      for (int c = 0; c < D / 16; ++c) store(sums[c], acc + 16 * c);
+    }
+  }
+}
+
+using AttendSplit = void (*)(const Batch&, const Unit&, int64_t, Scratch&);
+
+// Each variant is one function with everything inlined into it (flatten), so that the vector helpers are
+// compiled for its instruction set.
+#define NVFP4_ATTEND_SPLIT(ISA, TARGET, VARIANT)                                                        \
+  template <int D>                                                                                      \
+  TARGET __attribute__((flatten)) void attend_split_##VARIANT(const Batch& b, const Unit& u, int64_t s, \
+                                                              Scratch& scratch) {                       \
+    attend_split_impl<ISA, D>(b, u, s, scratch);                                                        \
+  }
+NVFP4_ATTEND_SPLIT(Isa::Baseline, , baseline)
+#if NVFP4_X86
+NVFP4_ATTEND_SPLIT(Isa::Avx2, NVFP4_TARGET_AVX2, avx2)
+NVFP4_ATTEND_SPLIT(Isa::Avx512, NVFP4_TARGET_AVX512, avx512)
+#endif
+#undef NVFP4_ATTEND_SPLIT
+
+template <int D>
+AttendSplit attend_split_for_cpu() {
+#if NVFP4_X86
+  if (cpu_isa() >= Isa::Avx512) return attend_split_avx512<D>;
+  if (cpu_isa() == Isa::Avx2) return attend_split_avx2<D>;
+#endif
+  return attend_split_baseline<D>;
+}
+
+AttendSplit attend_split_for(int64_t head_size) {
+  switch (head_size) {
+    case 64: return attend_split_for_cpu<64>();
+    case 128: return attend_split_for_cpu<128>();
+    default: return attend_split_for_cpu<256>();  // the argument checks allow 64, 128 and 256
+  }
+}
+
+// --- merging splits and writing rows ----------------------------------------------------------------------
+
+// Merges one split's state of a pair (max m, sum l, sums acc) into `total`'s; the one order and formula both
+// plans use. A split the pair does not see (l == 0) changes nothing.
+void merge_pair(State& total, int64_t p, float m, float l, const float* acc, int64_t head_size) {
+  if (l == 0.0f) return;
+  float* sums = total.acc.get() + p * head_size;
+  if (total.l[p] == 0.0f) {
+    total.m[p] = m;
+    total.l[p] = l;
+    std::memcpy(sums, acc, head_size * sizeof(float));
+    return;
+  }
+  const float top = std::max(total.m[p], m);
+  const float a = exp_nonpositive<Isa::Baseline>(total.m[p] - top), b = exp_nonpositive<Isa::Baseline>(m - top);
+  total.m[p] = top;
+  total.l[p] = total.l[p] * a + l * b;
+  for (int64_t d = 0; d < head_size; d += 16) store(load(sums + d) * a + load(acc + d) * b, sums + d);
+}
+
+template <typename T>
+void write_rows(const Unit& u, const State& total, int64_t group, int64_t head_size, float v_global, T* out,
+                int64_t token_stride, int64_t head_stride) {
+  for (int64_t p = 0; p < u.rows * group; ++p) {
+    const int64_t row = u.row0 + p / group, head = u.kv_head * group + p % group;
+    const float inverse = v_global / total.l[p];
+    const float* sums = total.acc.get() + p * head_size;
+    T* o = out + row * token_stride + head * head_stride;
+    for (int64_t d = 0; d < head_size; d += 32) {  // the even dimensions, then the odd ones (decode_values)
+      const f32x16 even = load(sums + d) * inverse, odd = load(sums + d + 16) * inverse;
+      simd::store16(__builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23), o + d);
+      simd::store16(__builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31),
+                    o + d + 16);
+    }
+  }
+}
+
+template <typename T>
+void load_queries(const Unit& u, int64_t group, int64_t head_size, const T* query, int64_t token_stride,
+                  int64_t head_stride, float* q) {
+  for (int64_t p = 0; p < u.rows * group; ++p) {
+    const T* row = query + (u.row0 + p / group) * token_stride + (u.kv_head * group + p % group) * head_stride;
+    for (int64_t d = 0; d < head_size; d += 16) store(simd::load16(row + d), q + p * head_size + d);
+  }
+}
+
+// --- the op ---------------------------------------------------------------------------------------------
+
+template <typename Fn>
+void dispatch_float_types(ScalarType type, Fn&& fn) {
+  switch (type) {
+    case ScalarType::BFloat16: fn(c10::BFloat16{}); break;
+    case ScalarType::Half: fn(c10::Half{}); break;
+    default: fn(float{}); break;  // the argument checks allow these three
+  }
+}
+
+void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                               const Tensor& block_table, const Tensor& query_start_loc, const Tensor& seq_lens,
+                               const Tensor& k_scale, const Tensor& v_scale, double scale, bool causal,
+                               bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len, Tensor& out) {
+  const char* op = "nvfp4_paged_attention";
+  const NVFP4PageLayout layout =
+      check_nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale,
+                                  v_scale, swizzle_v_scales, max_query_len, max_seq_len, out);
+  const int64_t num_reqs = seq_lens.size(0), head_size = layout.head_size;
+  const int32_t* starts = query_start_loc.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  check_paged_attention_ranges(op, starts, lens, num_reqs, query.size(0), max_query_len, max_seq_len,
+                               block_table.const_data_ptr<int32_t>(), block_table.stride(0), block_table.size(1),
+                               layout.block_size, key_cache.size(0));
+
+  Batch b{layout, query.size(1) / layout.num_heads, static_cast<const uint8_t*>(key_cache.const_data_ptr()),
+          static_cast<const uint8_t*>(value_cache.const_data_ptr()), key_cache.stride(0),
+          block_table.const_data_ptr<int32_t>(), block_table.stride(0),
+          static_cast<float>(scale) * *k_scale.const_data_ptr<float>(), *v_scale.const_data_ptr<float>(), causal,
+          {}};
+  for (int64_t r = 0; r < 4; ++r)
+    for (int64_t s = 0; s < layout.scale_dim(); ++s)
+      b.v_scale_delta[r][s] = layout.scale_offset(r, 0, s, swizzle_v_scales) - layout.scale_offset(0, 0, 0, false);
+
+  // The plan: units, row blocks from the last (the longest under a causal mask) to the first.
+  const int64_t group = b.group, rows_per_unit = std::max<int64_t>(1, UNIT_PAIRS / group);
+  std::vector<Unit> units;
+  int64_t scores = 0;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    const int64_t n = starts[r + 1] - starts[r], c = lens[r];
+    for (int64_t block = (n + rows_per_unit - 1) / rows_per_unit - 1; block >= 0; --block) {
+      const int64_t row = block * rows_per_unit, rows = std::min(rows_per_unit, n - row);
+      const int64_t pos0 = c - n + row, key_end = causal ? pos0 + rows : c;
+      for (int64_t h = 0; h < layout.num_heads; ++h) units.push_back({r, h, starts[r] + row, rows, pos0, c, key_end, -1});
+      scores += layout.num_heads * rows * group * key_end;
+    }
+  }
+  if (units.empty()) return;
+  struct Task {
+    int64_t unit, split;  // split -1: every split of the unit
+  };
+  std::vector<Task> tasks;
+  std::vector<int64_t> split_units;
+  int64_t partial_floats = 0;
+  const int64_t partial_stride = head_size + 2;  // m, l, acc of one pair in one split
+  for (int64_t i = 0; i < static_cast<int64_t>(units.size()); ++i) {
+    Unit& u = units[i];
+    const int64_t floats = u.splits() * u.rows * group * partial_stride;
+    if (units.size() < SPLIT_BATCH_UNITS && u.rows <= SPLIT_UNIT_ROWS && u.splits() > 1 &&
+        partial_floats + floats <= PARTIAL_FLOATS_MAX) {
+      u.partials = partial_floats;
+      partial_floats += floats;
+      split_units.push_back(i);
+      for (int64_t s = 0; s < u.splits(); ++s) tasks.push_back({i, s});
+    } else {
+      tasks.push_back({i, -1});
+    }
+  }
+  std::vector<float> partials(partial_floats);
+
+  const AttendSplit attend_split = attend_split_for(head_size);
+  const int64_t max_pairs = rows_per_unit * group;
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  dispatch_float_types(query.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* q = static_cast<const T*>(query.const_data_ptr());
+    T* o = static_cast<T*>(out.mutable_data_ptr());
+    const int64_t q_token = query.stride(0), q_head = query.stride(1);
+    const int64_t o_token = out.stride(0), o_head = out.stride(1);
+#pragma omp parallel if (scores >= PARALLEL_MIN_SCORES)
+    {
+      Scratch scratch(max_pairs, head_size);
+#pragma omp for schedule(dynamic)
+      for (int64_t i = 0; i < num_tasks; ++i) {
+        const Task task = tasks[i];
+        const Unit& u = units[task.unit];
+        const int64_t pairs = u.rows * group;
+        load_queries(u, group, head_size, q, q_token, q_head, scratch.q.get());
+        if (task.split >= 0) {  // this split's state goes to the unit's partials
+          attend_split(b, u, task.split, scratch);
+          float* part = partials.data() + u.partials + task.split * pairs * partial_stride;
+          for (int64_t p = 0; p < pairs; ++p, part += partial_stride) {
+            part[0] = scratch.split.m[p];
+            part[1] = scratch.split.l[p];
+            if (scratch.split.l[p] != 0.0f)
+              std::memcpy(part + 2, scratch.split.acc.get() + p * head_size, head_size * sizeof(float));
+          }
+          continue;
+        }
+        std::fill(scratch.total.l.get(), scratch.total.l.get() + pairs, 0.0f);
+        for (int64_t s = 0; s < u.splits(); ++s) {
+          attend_split(b, u, s, scratch);
+          for (int64_t p = 0; p < pairs; ++p)
+            merge_pair(scratch.total, p, scratch.split.m[p], scratch.split.l[p],
+                       scratch.split.acc.get() + p * head_size, head_size);
+        }
+        write_rows(u, scratch.total, group, head_size, b.v_global, o, o_token, o_head);
+      }
+      // The split units' partials, merged in split order.
+#pragma omp for schedule(dynamic)
+      for (int64_t i = 0; i < static_cast<int64_t>(split_units.size()); ++i) {
+        const Unit& u = units[split_units[i]];
+        const int64_t pairs = u.rows * group;
+        std::fill(scratch.total.l.get(), scratch.total.l.get() + pairs, 0.0f);
+        for (int64_t s = 0; s < u.splits(); ++s) {
+          const float* part = partials.data() + u.partials + s * pairs * partial_stride;
+          for (int64_t p = 0; p < pairs; ++p, part += partial_stride)
+            merge_pair(scratch.total, p, part[0], part[1], part + 2, head_size);
+        }
+        write_rows(u, scratch.total, group, head_size, b.v_global, o, o_token, o_head);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(vllm_nvfp4, CPU, m) {
+  m.impl("nvfp4_paged_attention", TORCH_BOX(&nvfp4_paged_attention_cpu));
+}
+
+}  // namespace vllm_nvfp4

@@ -1,0 +1,344 @@
+"""The CPU `nvfp4_paged_attention` against the plain-torch oracle (fp32 attention over the dequantized cache).
+
+Every case: pages in shuffled order, pages nothing was stored in filled with 0xFF (NaN block scales, so a read past
+a request's length shows), garbage in unused block-table columns, padding query rows of NaN, the output poisoned with
+NaN so unwritten rows show and rows past the batch's tokens must stay untouched. The reference writes the op's
+output dtype, so a bf16 or fp16 output is compared with the same rounding; relative L2 error of the whole output
+≤ 1e-3 (float32 outputs agree to float32 rounding).
+"""
+
+import copy
+import os
+import pickle
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_nvfp4_plugin import ops, reference
+from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata, store_kv
+from vllm_nvfp4_plugin.attention.core import paged_attention, paged_attention_reference
+from vllm_nvfp4_plugin.layout import NVFP4PageLayout
+from vllm_nvfp4_plugin.tools.paged_case import PagedCase, relative_l2
+
+REL_L2 = 1e-3
+PAD_ROWS = 3
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def outliers(x):  # one element of each group 200 times the rest
+    x.unflatten(-1, (-1, 16))[..., 3] *= 200.0
+
+
+def zero_groups(x):  # every other group all zero (block scale 0)
+    x.unflatten(-1, (-1, 16))[..., ::2, :] = 0.0
+
+
+def saturated(x):  # block scales saturate at 448, codes at ±6
+    x *= 1e4
+
+
+def tiny(x):  # subnormal block scales (below 2^-6), some rounding to 0
+    x *= 1e-2
+
+
+class Case:
+    """Requests `(query_len, context_len)` over one NVFP4 cache written by the CPU store op (PagedCase's K/V)."""
+
+    def __init__(self, requests, *, head_size=128, kv_heads=2, group=4, block_size=16, hnd=False, swizzle=False,
+                 dtype=torch.bfloat16, causal=True, seed=0, k_scale=0.75, v_scale=1.25, scale=None, shape_kv=None):
+        gen = torch.Generator().manual_seed(seed)
+        self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle)
+        self.requests, self.causal, self.dtype = list(requests), causal, dtype
+        self.paged = PagedCase(requests, self.layout, kv_heads * group, gen, dtype=dtype, k_scale=k_scale,
+                               v_scale=v_scale, extra_table_columns=2, unused_entry=-7)
+        self.k_scale, self.v_scale = torch.tensor([k_scale]), torch.tensor([v_scale])
+        if shape_kv is not None:
+            for x in self.paged.k + self.paged.v:
+                shape_kv(x)
+        self.cache = self.layout.allocate(self.paged.num_blocks, fill=0xFF)
+        key, value, slots = self.paged.context_tokens()
+        store_kv(key, value, self.cache, slots, self.k_scale, self.v_scale, swizzle)
+        self.num_tokens = sum(n for n, _ in requests)
+        pad = torch.full((PAD_ROWS, kv_heads * group, head_size), float("nan"), dtype=dtype)
+        self.query = torch.cat(self.paged.q + [pad])
+        self.query_start_loc = self.paged.query_start_loc()
+        self.seq_lens = torch.tensor(self.paged.seq_lens, dtype=torch.int32)
+        self.scale = head_size ** -0.5 if scale is None else scale
+
+    def args(self, out, max_query_len=None, max_seq_len=None):
+        return (self.query, self.cache[:, 0], self.cache[:, 1], self.paged.block_table, self.query_start_loc,
+                self.seq_lens, self.k_scale, self.v_scale, self.scale, self.causal, self.layout.swizzle_v_scales,
+                max(self.paged.query_lens) if max_query_len is None else max_query_len,
+                max(self.paged.seq_lens) if max_seq_len is None else max_seq_len, out)
+
+    def run(self, **bounds) -> torch.Tensor:
+        out = torch.full_like(self.query, float("nan"))
+        ops.nvfp4_paged_attention(*self.args(out, **bounds))
+        return out
+
+    def reference(self) -> torch.Tensor:
+        out = torch.zeros_like(self.query)
+        reference.nvfp4_paged_attention(*self.args(out))
+        return out
+
+    def rows(self, first: int, last: int, requests) -> "Case":
+        """This case's query rows [first, last) as a batch of `requests` over the same pages."""
+        part = copy.copy(self)
+        part.requests, part.num_tokens = list(requests), last - first
+        part.query = self.query[first:last]
+        part.query_start_loc = torch.tensor([0] + [n for n, _ in requests], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        part.seq_lens = torch.tensor([c for _, c in requests], dtype=torch.int32)
+        part.paged = copy.copy(self.paged)
+        part.paged.requests = list(requests)
+        return part
+
+    def check(self, out: torch.Tensor, rel_l2: float = REL_L2) -> float:
+        rows = self.num_tokens
+        assert torch.isnan(out[rows:]).all(), "rows past query_start_loc[-1] were written"
+        assert torch.isfinite(out[:rows]).all(), "a query row was left unwritten or is not finite"
+        err = relative_l2(out[:rows], self.reference()[:rows])
+        assert err <= rel_l2, f"relative L2 error {err:.2e} > {rel_l2}"
+        return err
+
+
+# Decodes (one key, a key past a page boundary, many splits), a whole prompt, chunks over cached prefixes (one
+# starting on a page boundary, one ending on one), speculative-decode rows.
+MIXED = [(1, 1), (1, 17), (1, 1300), (37, 37), (20, 75), (16, 48), (9, 64), (3, 130)]
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+@pytest.mark.parametrize("swizzle", [False, True], ids=["linear", "swizzled"])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_mixed_batch_every_layout(head_size, hnd, swizzle, group):
+    case = Case(MIXED, head_size=head_size, hnd=hnd, swizzle=swizzle, group=group, seed=head_size + group)
+    case.check(case.run())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_query_and_output_dtypes(dtype):
+    case = Case(MIXED, dtype=dtype, seed=3)
+    # float32 in and out: only float32 rounding separates the kernel from the reference
+    case.check(case.run(), 1e-5 if dtype == torch.float32 else REL_L2)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 12, 32, 128])
+def test_block_sizes(block_size):
+    case = Case([(1, 700), (13, 13), (30, 250)], block_size=block_size, swizzle=block_size % 4 == 0, seed=block_size)
+    case.check(case.run())
+
+
+def test_non_causal():
+    case = Case([(1, 100), (50, 50), (30, 300)], causal=False, seed=5)
+    case.check(case.run())
+
+
+def test_long_contexts_split_and_merge():
+    """Contexts of many splits: a small batch runs each split as its own task, a prompt merges them as it goes."""
+    case = Case([(1, 5000), (3, 2100), (600, 1700)], kv_heads=1, group=8, seed=6)
+    case.check(case.run())
+
+
+def test_loose_bounds():
+    """Host bounds above the real lengths give the same bytes."""
+    case = Case([(1, 700), (9, 300)], seed=7)
+    assert same_bytes(case.run(), case.run(max_query_len=64, max_seq_len=20000))
+
+
+@pytest.mark.parametrize("shape_kv", [outliers, zero_groups, saturated, tiny])
+def test_adversarial_values(shape_kv):
+    case = Case([(1, 300), (1, 2000), (40, 500)], shape_kv=shape_kv, k_scale=1.0, v_scale=1.0, seed=8)
+    if shape_kv in (outliers, saturated):
+        case.scale = 1e-4  # logits in a range where the fp32 reference and the kernel agree on the softmax
+    case.check(case.run())
+
+
+def test_peaked_softmax():
+    """Large logits: each row's probability mass sits on a few keys, the rest underflows to 0."""
+    case = Case([(1, 900), (30, 300)], scale=0.5, dtype=torch.float32, seed=9)
+    case.check(case.run())
+
+
+def test_random_cache_bytes():
+    """Every code and scale bit pattern (subnormal and maximal block scales), written straight into the pages."""
+    case = Case([(1, 700), (20, 900)], swizzle=True, seed=10)
+    g = torch.Generator().manual_seed(10)
+    data = torch.randint(0, 256, (case.cache.numel(),), generator=g, dtype=torch.uint8)
+    case.cache.copy_(torch.where((data & 0x7F) == 0x7F, data - 1, data).view(case.cache.shape))  # no NaN scale
+    case.scale = 1e-3
+    case.check(case.run())
+
+
+# --- the result depends only on the row's own query and context ------------------------------------------------
+
+def test_request_alone_equals_request_in_a_large_batch():
+    """Alone, a decode row's splits run as separate tasks; among 80 decodes, one task merges them. Same bytes."""
+    case = Case([(1, 3000)] + [(1, 40 + r) for r in range(79)], kv_heads=1, seed=11)
+    alone = case.rows(0, 1, [(1, 3000)])
+    alone.check(alone.run())
+    assert same_bytes(alone.run(), case.run()[:1])
+
+
+def test_chunks_and_decodes_equal_the_whole_prompt():
+    """A prompt in one step, the same prompt in chunks over its cached prefix, and its last row as a decode."""
+    case = Case([(700, 700)], seed=12)
+    whole = case.run()
+    for lo, hi in [(0, 250), (250, 513), (513, 699), (699, 700)]:
+        part = case.rows(lo, hi, [(hi - lo, hi)])
+        assert same_bytes(part.run(), whole[lo:hi]), (lo, hi)
+
+
+THREADS_SCRIPT = """
+import pickle, sys, torch
+import test_paged_attention_cpu as t
+case = t.Case([(1, 3000), (1, 70), (300, 900), (2, 5000)], kv_heads=2, group=4, seed=13)
+sys.stdout.buffer.write(pickle.dumps(case.run().view(torch.int16).tolist()))
+"""
+
+
+def run_script(script: str, **env) -> bytes:
+    return subprocess.run([sys.executable, "-c", script], cwd=TESTS_DIR, env={**os.environ, **env},
+                          capture_output=True, check=True, timeout=600).stdout
+
+
+def test_identical_bytes_at_one_and_two_threads():
+    assert run_script(THREADS_SCRIPT, OMP_NUM_THREADS="1") == run_script(THREADS_SCRIPT, OMP_NUM_THREADS="2")
+
+
+ISA_SCRIPT = """
+import pickle, sys, torch
+import test_paged_attention_cpu as t
+outs = []
+for seed, (head_size, hnd, swizzle, dtype) in enumerate([(64, False, True, torch.bfloat16), (128, True, False, torch.float16),
+                                                         (256, False, False, torch.float32), (128, True, True, torch.float32)]):
+    case = t.Case(t.MIXED, head_size=head_size, hnd=hnd, swizzle=swizzle, dtype=dtype, seed=seed)
+    out = case.run()
+    case.check(out)
+    outs.append((out[:case.num_tokens].float().tolist(), dtype == torch.float32))
+sys.stdout.buffer.write(pickle.dumps(outs))
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+def test_instruction_set_variants_agree(isa):
+    """This CPU runs its best variant; each lower one, forced, meets the reference and agrees with the best."""
+    best = pickle.loads(run_script(ISA_SCRIPT))
+    forced = pickle.loads(run_script(ISA_SCRIPT, VLLM_NVFP4_CPU_ISA=isa))
+    for (a, float32), (b, _) in zip(best, forced):
+        assert relative_l2(torch.tensor(b), torch.tensor(a)) <= (1e-5 if float32 else REL_L2)
+
+
+# --- the core's CPU path --------------------------------------------------------------------------------------
+
+def test_core_runs_the_kernel_and_matches_the_gather_path():
+    case = Case(MIXED, kv_heads=2, group=3, seed=14)
+    metadata = NVFP4AttentionMetadata(case.query_start_loc, case.seq_lens, case.paged.block_table,
+                                      torch.empty(0, dtype=torch.int64), True)  # no host bounds: from the tensors
+    out, gathered = torch.full_like(case.query, float("nan")), torch.full_like(case.query, float("nan"))
+    paged_attention(case.query, case.cache, metadata, case.scale, case.k_scale, case.v_scale, out)
+    paged_attention_reference(case.query, case.cache, metadata, case.scale, case.k_scale, case.v_scale, gathered)
+    assert same_bytes(out, case.run())
+    rows = case.num_tokens
+    assert torch.isnan(gathered[rows:]).all()
+    assert relative_l2(out[:rows], gathered[:rows]) <= REL_L2
+    for r in range(len(MIXED)):  # and both against fp32 attention over the dequantized K/V
+        lo, hi = case.query_start_loc[r:r + 2].tolist()
+        assert relative_l2(out[lo:hi], case.paged.expected(r, case.scale)) <= 1e-2
+
+
+# --- torch.library and argument checks ----------------------------------------------------------------------
+
+def test_opcheck():
+    case = Case([(1, 40), (5, 20)], head_size=64, seed=15)
+    case.query = case.query[:case.num_tokens]
+    out = torch.zeros_like(case.query)
+    torch.library.opcheck(torch.ops.vllm_nvfp4.nvfp4_paged_attention.default, args=case.args(out))
+
+
+def bad_arguments(case: Case):
+    """(argument index, replacement, the error's text)."""
+    q, cache = case.query, case.cache
+    lens = case.seq_lens
+    starts = case.query_start_loc
+    table = case.paged.block_table
+    return [
+        (0, q.to(torch.float64), "query: dtype must be bfloat16, float16 or float32"),
+        (0, q[..., :64], "query: head size 64 does not match key_cache's 128"),
+        (0, q[:, :5], "query: 5 heads are not a positive multiple of key_cache's 2 KV heads"),
+        (0, q.transpose(1, 2).contiguous().transpose(1, 2), "query: the head dim must be contiguous"),
+        (1, cache[:, 0].view(torch.int8), "key_cache: dtype must be uint8"),
+        (2, cache[:, 1, :8], "value_cache: must have key_cache's shape"),
+        (3, table.long(), "block_table: dtype must be int32"),
+        (3, table[:1], "block_table: needs a row for each of the 2 requests"),
+        (3, table[:, :1], "block_table: request 0 of 40 tokens needs 3 blocks"),
+        (3, torch.full_like(table, 999), "block_table: entry [0, 0] = 999 is not a block of the cache"),
+        (4, starts[:2], "query_start_loc: must have shape [num_reqs + 1]"),
+        (4, torch.tensor([1, 1, 6], dtype=torch.int32), "query_start_loc: must start at 0"),
+        (4, torch.tensor([0, 4, 2], dtype=torch.int32), "query_start_loc: must be non-decreasing"),
+        (4, torch.tensor([0, 1, 99], dtype=torch.int32), "query_start_loc: 99 query tokens do not fit"),
+        (5, lens.long(), "seq_lens: dtype must be int32"),
+        (5, torch.tensor([40, 4], dtype=torch.int32), "seq_lens: request 1 has 5 query tokens but seq_len 4"),
+        (6, torch.ones(2), "k_scale: must hold one float32"),
+        (7, torch.ones(1, dtype=torch.float64), "v_scale: dtype must be float32"),
+        (11, 0, "max_query_len: request 0 has 1 query tokens, more than max_query_len = 0"),
+        (12, 39, "max_seq_len: request 0 has seq_len 40, more than max_seq_len = 39"),
+        (12, -1, "max_seq_len: must be non-negative"),
+        (13, torch.empty_like(q, dtype=torch.float32), "out: dtype must be query's BFloat16"),
+        (13, q[:-1].clone(), "out: must have query's shape"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(23))
+def test_bad_arguments_name_the_argument(index):
+    case = Case([(1, 40), (5, 20)], seed=16)
+    out = torch.full_like(case.query, float("nan"))
+    position, replacement, message = bad_arguments(case)[index]
+    args = list(case.args(out))
+    args[position] = replacement
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.nvfp4_paged_attention(*args)
+    assert torch.isnan(out).all(), "a rejected call wrote its output"
+
+
+def test_head_size_must_be_supported():
+    case = Case([(1, 40)], head_size=96, seed=17)
+    with pytest.raises(RuntimeError, match="key_cache: head size 96 is not 64, 128 or 256"):
+        case.run()
+
+
+# --- fuzzing ----------------------------------------------------------------------------------------------
+
+FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def cases(draw) -> Case:
+    swizzle = draw(st.booleans())
+    block_size = draw(st.integers(1, 8).map(lambda b: 4 * b) if swizzle else st.integers(1, 33))
+    requests = []
+    for _ in range(draw(st.integers(1, 5))):
+        context = draw(st.integers(0, 700))
+        requests.append((draw(st.integers(0, min(context, 40))), context))
+    return Case(requests, head_size=draw(st.sampled_from([64, 128, 256])), kv_heads=draw(st.integers(1, 3)),
+                group=draw(st.sampled_from([1, 2, 3, 4, 8])), block_size=block_size, hnd=draw(st.booleans()),
+                swizzle=swizzle, dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
+                causal=draw(st.booleans()), seed=draw(st.integers(0, 2**20)))
+
+
+@FUZZ
+@given(case=cases())
+def test_fuzz_against_reference(case):
+    out = case.run()
+    if case.num_tokens:
+        case.check(out)
+    else:
+        assert torch.isnan(out).all()
