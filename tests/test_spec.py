@@ -93,8 +93,9 @@ def test_page_view_rejects_other_layouts_and_shapes():
 
 def test_layer_checks_name_what_is_unsupported():
     check_nvfp4_layer("nvfp4", AttentionType.DECODER, 128, 8, 2)
-    with pytest.raises(NotImplementedError, match="nvfp4_4over6"):
-        check_nvfp4_layer("nvfp4_4over6", AttentionType.DECODER, 128, 8, 2)
+    check_nvfp4_layer("nvfp4_4over6", AttentionType.DECODER, 128, 8, 2)
+    with pytest.raises(NotImplementedError, match="nvfp4_ds_mla"):
+        check_nvfp4_layer("nvfp4_ds_mla", AttentionType.DECODER, 128, 8, 2)
     with pytest.raises(NotImplementedError, match="attn_type"):
         check_nvfp4_layer("nvfp4", AttentionType.ENCODER_ONLY, 128, 8, 2)
     with pytest.raises(NotImplementedError, match="sliding window"):

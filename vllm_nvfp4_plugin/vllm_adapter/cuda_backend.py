@@ -33,14 +33,14 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        MultipleOf)
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from ..attention import SUPPORTED_HEAD_SIZES, DequantWorkspace, store_kv
+from ..attention import SUPPORTED_HEAD_SIZES, DequantWorkspace
 from ..attention import NVFP4AttentionMetadata
 from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaBatch, DequantPrefill,
                                            FlashInferNVFP4Decoder, KernelBatch, cuda_paged_attention,
                                            dequant_prefill_unavailable_reason, flashinfer_decode_unavailable_reason,
                                            plan_batch, plan_kernel_batch)
-from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPE, customize_nvfp4_spec, page_view
-from .common import check_nvfp4_layer, core_metadata
+from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
+from .common import LayerKVPolicy, check_nvfp4_layer, core_metadata, engine_kv_calibration
 
 logger = init_logger("vllm.nvfp4_plugin.cuda")
 
@@ -65,15 +65,15 @@ def resolved_reader(head_size: int, device: torch.device) -> str:
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype != NVFP4_KV_CACHE_DTYPE:
-        raise ValueError(f"the vllm_nvfp4_plugin CUSTOM backend serves kv_cache_dtype={NVFP4_KV_CACHE_DTYPE!r} "
+    if kv_cache_dtype not in NVFP4_KV_CACHE_DTYPES:
+        raise ValueError(f"the vllm_nvfp4_plugin CUSTOM backend serves kv_cache_dtype in {NVFP4_KV_CACHE_DTYPES} "
                          f"only, got {kv_cache_dtype!r}: pass --kv-cache-dtype nvfp4 or pick another backend")
 
 
 class NVFP4CudaBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list] = [NVFP4_KV_CACHE_DTYPE]
+    supported_kv_cache_dtypes: ClassVar[list] = list(NVFP4_KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -106,8 +106,8 @@ class NVFP4CudaBackend(AttentionBackend):
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> str | None:
-        if kv_cache_dtype != NVFP4_KV_CACHE_DTYPE:
-            return f"the CUSTOM (vllm_nvfp4_plugin) backend needs kv_cache_dtype='nvfp4', got {kv_cache_dtype!r}"
+        if kv_cache_dtype not in NVFP4_KV_CACHE_DTYPES:
+            return f"the CUSTOM (vllm_nvfp4_plugin) backend needs kv_cache_dtype in {NVFP4_KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
         return None
 
     @classmethod
@@ -214,15 +214,23 @@ class NVFP4CudaImpl(AttentionImpl[CudaBatch | KernelBatch | NVFP4AttentionMetada
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.calibration = engine_kv_calibration()  # raises here, at engine start, on a file that does not fit
+        self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
         logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CUDA (head size %d, %d query / %d KV heads)",
                          head_size, num_heads, num_kv_heads)
+
+    def _layer_policy(self, layer: torch.nn.Module) -> LayerKVPolicy:
+        if self.policy is None:
+            self.policy = LayerKVPolicy.for_layer(self.calibration, self.kv_cache_dtype, layer.layer_name,
+                                                  self.num_heads)
+        return self.policy
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.kv_sharing_target_layer_name is not None:  # the target layer stores the shared cache
             return
-        store_kv(key, value, page_view(kv_cache, self.num_kv_heads), slot_mapping, layer._k_scale, layer._v_scale,
-                 SWIZZLE_V_SCALES)
+        self._layer_policy(layer).store(key, value, page_view(kv_cache, self.num_kv_heads), slot_mapping,
+                                        layer._k_scale, layer._v_scale, SWIZZLE_V_SCALES)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: CudaBatch | KernelBatch | NVFP4AttentionMetadata | None,
@@ -233,7 +241,7 @@ class NVFP4CudaImpl(AttentionImpl[CudaBatch | KernelBatch | NVFP4AttentionMetada
             raise NotImplementedError("the vllm_nvfp4_plugin CUSTOM backend does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output
-        cuda_paged_attention(query, page_view(kv_cache, self.num_kv_heads), attn_metadata, self.scale,
-                             layer._k_scale, layer._v_scale, layer._k_scale_float, layer._v_scale_float,
-                             output.view(query.shape), workspace=_WORKSPACE)
+        cuda_paged_attention(self._layer_policy(layer).query(query), page_view(kv_cache, self.num_kv_heads),
+                             attn_metadata, self.scale, layer._k_scale, layer._v_scale, layer._k_scale_float,
+                             layer._v_scale_float, output.view(query.shape), workspace=_WORKSPACE)
         return output
