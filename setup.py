@@ -6,6 +6,8 @@ both present. Install with `pip install --no-build-isolation .` so pip builds ag
 
 import glob
 import os
+import re
+import subprocess
 
 import torch
 from setuptools import setup
@@ -23,9 +25,34 @@ CUDA_ARCHS = ["8.0+PTX", "8.9", "9.0a", "10.0a", "12.0a"]
 CUDA_ARCHS_12_9 = ["10.3a", "12.1a"]  # need CUDA 12.9 or newer
 
 
-def default_cuda_archs(cuda_version: str) -> str:
-    major, minor = (int(part) for part in cuda_version.split(".")[:2])
-    return ";".join(CUDA_ARCHS + (CUDA_ARCHS_12_9 if (major, minor) >= (12, 9) else []))
+def nvcc_version() -> tuple[int, int]:
+    """The toolkit's (major, minor) from `nvcc --version`; torch's CUDA version when nvcc cannot say."""
+    try:
+        text = subprocess.run([os.path.join(CUDA_HOME, "bin", "nvcc"), "--version"], capture_output=True,
+                              text=True, check=True).stdout
+        release = re.search(r"release (\d+)\.(\d+)", text)
+        if release:
+            return int(release.group(1)), int(release.group(2))
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    major, minor = torch.version.cuda.split(".")[:2]
+    return int(major), int(minor)
+
+
+def default_cuda_archs(toolkit: tuple[int, int]) -> list[str]:
+    return CUDA_ARCHS + (CUDA_ARCHS_12_9 if toolkit >= (12, 9) else [])
+
+
+def gencode_flags(archs: list[str]) -> list[str]:
+    """nvcc flags for "9.0a"-style archs ("+PTX" also embeds the PTX). Given in the nvcc arguments, they replace
+    torch's own arch flags, whose list of known archs depends on the torch version."""
+    flags = []
+    for arch in archs:
+        number = arch.removesuffix("+PTX").replace(".", "")
+        flags.append(f"-gencode=arch=compute_{number},code=sm_{number}")
+        if arch.endswith("+PTX"):
+            flags.append(f"-gencode=arch=compute_{number},code=compute_{number}")
+    return flags
 
 
 def extension():
@@ -37,10 +64,11 @@ def extension():
     args = {"cxx": cxx}
     if use_cuda:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", default_cuda_archs(torch.version.cuda))
         # USE_CUDA declares the stable ABI's current-stream getter.
         cxx += ["-DUSE_CUDA"]
         args["nvcc"] = ["-O3", "-fmad=false", TORCH_TARGET_VERSION, "-DUSE_CUDA"]
+        if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+            args["nvcc"] += gencode_flags(default_cuda_archs(nvcc_version()))
     make = CUDAExtension if use_cuda else CppExtension
     return make("vllm_nvfp4_plugin._C", sources, include_dirs=[os.path.join(ROOT, "csrc")],
                 extra_compile_args=args, extra_link_args=["-fopenmp"], py_limited_api=True)

@@ -24,6 +24,8 @@ import sys
 
 import torch
 
+from vllm_nvfp4_plugin.layout import NVFP4PageLayout  # plain torch: no extension needed for --warm-flashinfer
+
 from cuda_timing import capture_graph, event_median_ms
 
 BLOCK_SIZE = 16
@@ -64,8 +66,6 @@ class Case:
     def __init__(self, requests, q_heads, kv_heads, head, gen):
         self.requests, self.q_heads, self.kv_heads, self.head = requests, q_heads, kv_heads, head
         seq_lens = [c for _, c in requests]
-        from vllm_nvfp4_plugin.layout import NVFP4PageLayout
-
         self.layout = NVFP4PageLayout(head, BLOCK_SIZE, kv_heads)
         self.table, self.indptr, self.indices, self.last_page_len, num_blocks = paged_tables(seq_lens, gen)
         self.cache = random_nvfp4_cache(self.layout, num_blocks, gen)
@@ -165,6 +165,35 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(count or 1), rest
 
 
+def prefill_row(text: str, t, gen, have_flashinfer: bool) -> str:
+    """One causal prefill case: the fused kernel, dequantize + fa3, FlashInfer bf16 fa3 (same lengths)."""
+    count, rest = parse_shape(text)
+    n, _, cached = rest.partition("+")
+    n, cached = int(n), int(cached or 0)
+    case = Case([(n, n + cached)] * count, 32, 8, 128, gen)
+    fused = t(case.plugin)
+    row = [f"{count}×{n}" + (f" over {cached} cached" if cached else ""), f"{fused:.3f}"]
+    flops = case.causal_flops()
+    rates = [flops / (fused * 1e-3) / 1e12]
+    if have_flashinfer:
+        from vllm_nvfp4_plugin.attention.flashinfer_reader import DequantPrefill
+
+        dequant = DequantPrefill(torch.device("cuda"))
+        dequant.plan(case.qo_indptr, case.kv_indptr[1:] - case.kv_indptr[:-1], 32, 8, 128, True, case.scale)
+        ms = t(lambda: dequant.run(case.query, case.cache, case.table, case.k_scale, case.v_scale, case.out))
+        run = flashinfer_ragged_prefill(case)
+        shape = (int(case.kv_indptr[-1]), 8, 128)
+        ref_k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        ref_v = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
+        bf16 = t(lambda: run(ref_k, ref_v))
+        row += [f"{ms:.3f}", f"{bf16:.3f}"]
+        rates += [flops / (ms * 1e-3) / 1e12, flops / (bf16 * 1e-3) / 1e12]
+    else:
+        row += ["", ""]
+    row.append(" / ".join(f"{r:.0f}" for r in rates))
+    return "| " + " | ".join(row) + " |"
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode", default="32x8192,8x32768,1x32768,128x2048", help="decode shapes BxL")
@@ -220,37 +249,8 @@ def main(argv=None):
         lines += ["", "| causal prefill, 32/8 heads, head 128 | plugin fused ms | plugin dequant+fa3 ms | "
                   "FlashInfer bf16 fa3 ms | fused / dequant+fa3 / bf16 TFLOP/s |", "| --- | ---: | ---: | ---: | --- |"]
     for text in prefill:
-        count, rest = parse_shape(text)
-        n, _, cached = rest.partition("+")
-        n, cached = int(n), int(cached or 0)
-        case = Case([(n, n + cached)] * count, 32, 8, 128, gen)
-        fused = t(case.plugin)
-        row = [f"{count}×{n}" + (f" over {cached} cached" if cached else ""), f"{fused:.3f}"]
-        flops = case.causal_flops()
-        rates = [flops / (fused * 1e-3) / 1e12]
-        if have_flashinfer:
-            from vllm_nvfp4_plugin.attention.flashinfer_reader import DequantPrefill
-
-            dequant = DequantPrefill(torch.device("cuda"))
-            dequant.plan(case.qo_indptr, case.kv_indptr[1:] - case.kv_indptr[:-1], 32, 8, 128, True, case.scale)
-
-            def dequant_fa3():
-                dequant.run(case.query, case.cache, case.table, case.k_scale, case.v_scale, case.out)
-
-            ms = t(dequant_fa3)
-            run = flashinfer_ragged_prefill(case)
-            shape = (int(case.kv_indptr[-1]), 8, 128)
-            ref_k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-            ref_v = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
-            bf16 = t(lambda: run(ref_k, ref_v))
-            row += [f"{ms:.3f}", f"{bf16:.3f}"]
-            rates += [flops / (ms * 1e-3) / 1e12, flops / (bf16 * 1e-3) / 1e12]
-        else:
-            row += ["", ""]
-        row.append(" / ".join(f"{r:.0f}" for r in rates))
-        lines.append("| " + " | ".join(row) + " |")
+        lines.append(prefill_row(text, t, gen, have_flashinfer))
         print(lines[-1], flush=True)
-        del case
         torch.cuda.empty_cache()
 
     text = "\n".join(lines)

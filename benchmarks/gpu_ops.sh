@@ -11,6 +11,8 @@
 #   tests           the CUDA cases of tests/test_ops_cpu.py (every layout, scale order, dtype and stride)
 #   bench           benchmarks/bench_ops_cuda.py at the target shapes, beside a same-run copy (and FlashInfer's
 #                   writer), into bench.md
+#   attention_tests the CUDA attention tests (nvfp4_paged_attention, the readers and the core on CUDA)
+#   attention_bench benchmarks/bench_attention_cuda.py (decode and prefill beside FlashInfer) into attention.md
 #   bad_inputs      tests/test_bad_inputs.py
 #   doctor          python -m vllm_nvfp4_plugin.tools.doctor
 #   racecheck       compute-sanitizer racecheck over the gathers (they stage rows in shared memory)
@@ -21,7 +23,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/gpu_steps.sh
-start_run "build cuda_tests tests bench bad_inputs doctor racecheck memcheck memcheck_large" out/gpu_ops
+start_run "build cuda_tests tests bench attention_tests attention_bench bad_inputs doctor racecheck memcheck memcheck_large" \
+  out/gpu_ops
 
 has build && build_extension
 PYTEST="python3 -X faulthandler -m pytest -v -p no:cacheprovider"
@@ -31,6 +34,9 @@ if has bench; then
   flashinfer=$(python3 -c "import flashinfer" 2>/dev/null && echo --flashinfer)
   step bench 900 python3 benchmarks/bench_ops_cuda.py $flashinfer --out "$RESULTS_DIR/bench.md"
 fi
+has attention_tests && step attention_tests 900 $PYTEST -m gpu tests/test_paged_attention_cuda.py \
+  tests/test_attention_cuda.py
+has attention_bench && step attention_bench 900 python3 benchmarks/bench_attention_cuda.py --out "$RESULTS_DIR/attention.md"
 has bad_inputs && step bad_inputs 300 $PYTEST tests/test_bad_inputs.py
 has doctor && step doctor 300 python3 -m vllm_nvfp4_plugin.tools.doctor
 has racecheck && step racecheck 900 compute-sanitizer --tool racecheck --error-exitcode 1 \

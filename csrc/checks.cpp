@@ -155,8 +155,8 @@ void check_indexer_cache_basics(const char* op, const Tensor& kv_cache) {
 
 NVFP4PageLayout check_reshape_and_cache_nvfp4(const Tensor& key, const Tensor& value, const Tensor& key_cache,
                                               const Tensor& value_cache, const Tensor& slot_mapping,
-                                              const Tensor& k_scale, const Tensor& v_scale, bool swizzle_v_scales) {
-  const char* op = "reshape_and_cache_nvfp4";
+                                              const Tensor& k_scale, const Tensor& v_scale, bool swizzle_v_scales,
+                                              const char* op) {
   const NVFP4PageLayout layout = side_cache_layout(op, key_cache, value_cache, swizzle_v_scales);
   check_heads_tensor(op, "key", key, layout, key_cache);
   check_heads_tensor(op, "value", value, layout, key_cache);

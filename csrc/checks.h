@@ -18,7 +18,8 @@ using torch::stable::Tensor;
 
 NVFP4PageLayout check_reshape_and_cache_nvfp4(const Tensor& key, const Tensor& value, const Tensor& key_cache,
                                               const Tensor& value_cache, const Tensor& slot_mapping,
-                                              const Tensor& k_scale, const Tensor& v_scale, bool swizzle_v_scales);
+                                              const Tensor& k_scale, const Tensor& v_scale, bool swizzle_v_scales,
+                                              const char* op = "reshape_and_cache_nvfp4");
 
 NVFP4PageLayout check_gather_nvfp4_kv_cache(const Tensor& key_cache, const Tensor& value_cache,
                                             const Tensor& block_table, const Tensor& cu_seq_lens,

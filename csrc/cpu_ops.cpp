@@ -566,6 +566,51 @@ void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor&
   });
 }
 
+// vLLM's "nvfp4_4over6": per group, the max/6 or the max/4 block scale (quant.h's nvfp4_4over6_group). Scalar:
+// each group is quantized twice and its errors compared, so the SIMD paths of plain NVFP4 stay untouched.
+template <typename T>
+void store_token_4over6(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t offset, float global,
+                        float inv_global, bool swizzled, uint8_t* side) {
+  for (int64_t h = 0; h < layout.num_heads; ++h)
+    for (int64_t s = 0; s < layout.scale_dim(); ++s) {
+      float group[NVFP4_GROUP];
+      for (int64_t i = 0; i < NVFP4_GROUP; ++i) group[i] = static_cast<float>(x[h * head_stride + s * NVFP4_GROUP + i]);
+      side[layout.scale_offset(offset, h, s, swizzled)] =
+          nvfp4_4over6_group(group, global, inv_global, side + layout.data_offset(offset, h) + s * NVFP4_GROUP / 2);
+    }
+}
+
+void reshape_and_cache_nvfp4_4over6_cpu(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                                        Tensor& value_cache, const Tensor& slot_mapping, const Tensor& k_scale,
+                                        const Tensor& v_scale, bool swizzle_v_scales) {
+  const char* op = "reshape_and_cache_nvfp4_4over6";
+  const NVFP4PageLayout layout = check_reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping,
+                                                               k_scale, v_scale, swizzle_v_scales, op);
+  const int64_t num_tokens = slot_mapping.size(0);
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  check_slot_range(op, slots, num_tokens, key_cache.size(0) * layout.block_size);
+  const float kg = global_scale(k_scale), vg = global_scale(v_scale);
+  const float inv_kg = 1.0f / kg, inv_vg = 1.0f / vg;
+  uint8_t* k_base = bytes_of(key_cache);
+  uint8_t* v_base = bytes_of(value_cache);
+  const int64_t block_stride = key_cache.stride(0);
+  dispatch_float_types(key.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    const T* k = static_cast<const T*>(key.const_data_ptr());
+    const T* v = static_cast<const T*>(value.const_data_ptr());
+#pragma omp parallel for schedule(static) if (num_tokens * layout.num_heads * layout.head_size >= PARALLEL_MIN_WORK / 8)
+    for (int64_t i = 0; i < num_tokens; ++i) {
+      const int64_t slot = slots[i];
+      if (slot < 0) continue;  // padding token
+      const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
+      store_token_4over6(k + i * key.stride(0), key.stride(1), layout, offset, kg, inv_kg, false,
+                         k_base + block * block_stride);
+      store_token_4over6(v + i * value.stride(0), value.stride(1), layout, offset, vg, inv_vg, swizzle_v_scales,
+                         v_base + block * block_stride);
+    }
+  });
+}
+
 void gather_nvfp4_kv_cache_cpu(const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_table,
                                const Tensor& cu_seq_lens, const Tensor& k_scale, const Tensor& v_scale,
                                bool swizzle_v_scales, Tensor& out_key, Tensor& out_value) {
@@ -666,6 +711,7 @@ void cp_gather_indexer_k_quant_cache_cpu(const Tensor& kv_cache, Tensor& dst_k, 
 
 STABLE_TORCH_LIBRARY_IMPL(vllm_nvfp4, CPU, m) {
   m.impl("reshape_and_cache_nvfp4", TORCH_BOX(&reshape_and_cache_nvfp4_cpu));
+  m.impl("reshape_and_cache_nvfp4_4over6", TORCH_BOX(&reshape_and_cache_nvfp4_4over6_cpu));
   m.impl("gather_nvfp4_kv_cache", TORCH_BOX(&gather_nvfp4_kv_cache_cpu));
   m.impl("indexer_k_quant_and_cache", TORCH_BOX(&indexer_k_quant_and_cache_cpu));
   m.impl("cp_gather_indexer_k_quant_cache", TORCH_BOX(&cp_gather_indexer_k_quant_cache_cpu));

@@ -16,6 +16,9 @@ PyMODINIT_FUNC PyInit__C(void) {
 STABLE_TORCH_LIBRARY(vllm_nvfp4, m) {
   m.def("reshape_and_cache_nvfp4(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
         "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, bool swizzle_v_scales) -> ()");
+  // vLLM's "nvfp4_4over6": the same page, each group's block scale from max/6 or max/4, whichever errs less.
+  m.def("reshape_and_cache_nvfp4_4over6(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, Tensor k_scale, Tensor v_scale, bool swizzle_v_scales) -> ()");
   m.def("gather_nvfp4_kv_cache(Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor cu_seq_lens, "
         "Tensor k_scale, Tensor v_scale, bool swizzle_v_scales, Tensor(a!) out_key, Tensor(b!) out_value) -> ()");
   m.def("indexer_k_quant_and_cache(Tensor k, Tensor(a!) kv_cache, Tensor slot_mapping, int quant_block_size, "

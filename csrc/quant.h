@@ -77,4 +77,40 @@ NVFP4_HD inline float e2m1_decode(uint8_t code) {
   return float_from_bits(mag | (static_cast<uint32_t>(code & 8u) << 28));
 }
 
+// One NVFP4 group's candidate encoding with block scale SF = e4m3(amax · inv_divisor / global): writes the 16 E2M1
+// codes and SF, returns the squared reconstruction error Σ ((e2m1 · SF) · global - x)², summed in element order.
+NVFP4_HD inline float nvfp4_candidate(const float (&x)[16], float amax, float inv_divisor, float global,
+                                      float inv_global, uint8_t (&codes)[16], uint8_t& sf) {
+  sf = e4m3_encode(amax * inv_divisor * inv_global);
+  const float sf_value = e4m3_decode(sf);
+  const float out_scale = sf_value == 0.0f ? 0.0f : 1.0f / (sf_value * global);
+  float err = 0.0f;
+  for (int i = 0; i < 16; ++i) {
+    codes[i] = e2m1_encode(x[i] * out_scale);
+    const float d = e2m1_decode(codes[i]) * sf_value * global - x[i];
+    err = err + d * d;
+  }
+  return err;
+}
+
+// vLLM's "nvfp4_4over6" for one group of 16: the block scale from max/6 (plain NVFP4) or from max/4, whichever
+// reconstructs the group with the smaller squared error (max/6 on a tie or a NaN). Writes 8 packed code bytes
+// (low nibble = even element) and returns the scale byte.
+NVFP4_HD inline uint8_t nvfp4_4over6_group(const float (&x)[16], float global, float inv_global, uint8_t* packed) {
+  float amax = 0.0f;
+  for (int i = 0; i < 16; ++i) {
+    const float a = std::fabs(x[i]);
+    amax = (a > amax || a != a) ? a : amax;  // a NaN sticks, as torch's amax
+  }
+  uint8_t codes6[16], codes4[16], sf6, sf4;
+  const float err6 = nvfp4_candidate(x, amax, 1.0f / 6.0f, global, inv_global, codes6, sf6);
+  const float err4 = nvfp4_candidate(x, amax, 0.25f, global, inv_global, codes4, sf4);
+  const bool four = err4 < err6;
+  for (int i = 0; i < 8; ++i) {
+    const uint8_t lo = four ? codes4[2 * i] : codes6[2 * i], hi = four ? codes4[2 * i + 1] : codes6[2 * i + 1];
+    packed[i] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+  return four ? sf4 : sf6;
+}
+
 }  // namespace vllm_nvfp4

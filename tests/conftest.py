@@ -4,7 +4,8 @@ Markers (registered in pyproject.toml):
 - `gpu`: needs a CUDA device; skipped when none is available. Tests taking the `device` fixture run on "cpu"
   and, as a `gpu` case, on "cuda", so the CPU and CUDA kernels of an op are checked by the same cases.
 - `vllm`: builds vLLM configs, layers or engines (the files in VLLM_FILES).
-- `e2e`: runs a model end to end: engines, `vllm serve`, lm-eval (the files in E2E_FILES); minutes each.
+- `e2e`: runs a model end to end: engines, `vllm serve`, lm-eval, generation (E2E_FILES, E2E_TESTS); seconds to
+  minutes each.
 - `slow`: sweeps of every float through the E2M1 encoders, the hypothesis fuzzing of the ops, and re-runs of the
   op tests under each forced CPU instruction set (SLOW_FILES, SLOW_TESTS); tens of seconds each.
 
@@ -24,10 +25,12 @@ VLLM_FILES = {"test_cuda_backend.py", "test_indexer.py", "test_spec.py", "test_v
               "test_demo.py", "test_evals_e2e.py", "test_reliability.py"}
 E2E_FILES = {"test_vllm_engine.py", "test_serving.py", "test_kv_fidelity.py", "test_tensor_parallel.py",
              "test_demo.py", "test_evals_e2e.py", "test_reliability.py"}
+E2E_TESTS = {"test_smollm2_answers_a_question"}
 SLOW_FILES = {"test_e2m1_exhaustive.py", "test_fuzz.py"}
 SLOW_TESTS = {"test_avx512_e2m1_encoder_equals_reference_ladder_on_every_float",
               "test_lower_instruction_sets_match_reference", "test_default_instruction_set_matches_reference",
-              "test_unknown_instruction_set_is_rejected"}
+              "test_unknown_instruction_set_is_rejected", "test_instruction_set_variants_agree",
+              "test_fuzz_against_reference"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -36,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
         name = Path(str(item.fspath)).name
         if name in VLLM_FILES:
             item.add_marker(pytest.mark.vllm)
-        if name in E2E_FILES:
+        if name in E2E_FILES or item.originalname in E2E_TESTS:
             item.add_marker(pytest.mark.e2e)
         if name in SLOW_FILES or item.originalname in SLOW_TESTS:
             item.add_marker(pytest.mark.slow)

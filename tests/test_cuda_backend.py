@@ -34,14 +34,14 @@ def _reasons(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="nvfp4", has_si
 
 
 @pytest.mark.parametrize("head_size", [64, 128, 256])
-def test_valid_configuration(head_size):
-    assert _reasons(head_size) == []
+@pytest.mark.parametrize("kv_cache_dtype", ["nvfp4", "nvfp4_4over6"])
+def test_valid_configuration(head_size, kv_cache_dtype):
+    assert _reasons(head_size, kv_cache_dtype=kv_cache_dtype) == []
 
 
 @pytest.mark.parametrize("kwargs, reason", [
-    ({"kv_cache_dtype": "auto"}, "needs kv_cache_dtype='nvfp4'"),
-    ({"kv_cache_dtype": "fp8"}, "needs kv_cache_dtype='nvfp4'"),
-    ({"kv_cache_dtype": "nvfp4_4over6"}, "kv_cache_dtype not supported"),
+    ({"kv_cache_dtype": "auto"}, "needs kv_cache_dtype in"),
+    ({"kv_cache_dtype": "fp8"}, "needs kv_cache_dtype in"),
     ({"head_size": 96}, "head_size not supported"),
     ({"dtype": torch.float32}, "dtype not supported"),
     ({"has_sink": True}, "attention sinks not supported"),
@@ -80,7 +80,7 @@ def attention_layer(vllm_config, num_heads=8, head_size=128, scale=0.1, num_kv_h
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"cache_dtype": "auto"}, ValueError, "kv_cache_dtype='nvfp4' only"),
+    ({"cache_dtype": "auto"}, ValueError, "kv_cache_dtype in \\('nvfp4', 'nvfp4_4over6'\\) only"),
     ({"logits_soft_cap": 30.0}, NotImplementedError, "does not support logits soft-cap"),
     ({"per_layer_sliding_window": 4096}, NotImplementedError, "does not support sliding window"),
     ({"sinks": torch.zeros(8)}, NotImplementedError, "does not support attention sinks"),

@@ -236,3 +236,42 @@ def test_dequant_prefill_matches_reference(requests):
     out = torch.full_like(batch.query, float("nan"))
     prefill.run(batch.query, batch.cache, batch.block_table, batch.k_scale, batch.v_scale, out)
     batch.check(out)
+
+
+def test_kernel_batch_decodes_by_kernel_prefills_by_dequant():
+    """A mixed batch planned by plan_kernel_batch: leading decodes through the kernel, the rest dequantized + fa3."""
+    pytest.importorskip("flashinfer")
+    from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata
+    from vllm_nvfp4_plugin.attention.flashinfer_reader import DequantPrefill, cuda_paged_attention, plan_kernel_batch
+
+    batch = Batch([(1, 300), (1, 50), (64, 1000), (200, 200)], seed=12)
+    metadata = NVFP4AttentionMetadata(batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                      torch.empty(0, dtype=torch.int64, device="cuda"), True, 200, 1000)
+    plan = plan_kernel_batch(metadata, batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
+                             DequantPrefill(torch.device("cuda")), batch.q_heads, batch.layout.num_heads,
+                             batch.layout.head_size, batch.scale)
+    assert plan.num_decode_tokens == 2 and plan.decodes.num_reqs == 2
+    out = torch.full_like(batch.query, float("nan"))
+    cuda_paged_attention(batch.query, batch.cache, plan, batch.scale, batch.k_scale, batch.v_scale, 0.75, 1.25, out)
+    batch.check(out)
+
+
+@pytest.mark.parametrize("head_size", [128, 256])
+def test_kernel_batch_with_fa2_decodes(head_size):
+    """The "auto" reader on SM90: leading decodes through FlashInfer fa2, the rest dequantized + fa3."""
+    pytest.importorskip("flashinfer")
+    from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata
+    from vllm_nvfp4_plugin.attention.flashinfer_reader import (DequantPrefill, FlashInferNVFP4Decoder,
+                                                               cuda_paged_attention, plan_kernel_batch)
+
+    batch = Batch([(1, 300), (1, 50), (64, 1000), (200, 200)], head_size=head_size, seed=13)
+    metadata = NVFP4AttentionMetadata(batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                      torch.empty(0, dtype=torch.int64, device="cuda"), True, 200, 1000)
+    decoder = FlashInferNVFP4Decoder(torch.device("cuda"), hnd=False)
+    plan = plan_kernel_batch(metadata, batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
+                             DequantPrefill(torch.device("cuda")), batch.q_heads, batch.layout.num_heads, head_size,
+                             batch.scale, torch.bfloat16, decoder, batch.layout.block_size)
+    assert plan.decoder is decoder and plan.decodes is None and plan.num_decode_tokens == 2
+    out = torch.full_like(batch.query, float("nan"))
+    cuda_paged_attention(batch.query, batch.cache, plan, batch.scale, batch.k_scale, batch.v_scale, 0.75, 1.25, out)
+    batch.check(out)

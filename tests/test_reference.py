@@ -1,4 +1,4 @@
-"""The oracle itself, against the facts FORMATS.md states (values worked out by hand, not by the code).
+"""The oracle itself, against the facts docs/FORMATS.md states (values worked out by hand, not by the code).
 
 The compiled ops are checked against `reference` elsewhere; these tests make sure the reference is right.
 """
@@ -18,7 +18,7 @@ def e2m1_round(values):
 
 
 def test_e2m1_rounds_to_nearest_with_ties_to_even_code():
-    # FORMATS.md: 0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4; saturate at 6
+    # docs/FORMATS.md: 0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4; saturate at 6
     assert e2m1_round([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]) == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
     assert e2m1_round([0.26, 0.74, 1.3, 1.7, 2.6, 3.4, 5.1, 6.0, 7.0, math.inf]) == \
         [0.5, 0.5, 1.5, 1.5, 3.0, 3.0, 6.0, 6.0, 6.0, 6.0]

@@ -1,4 +1,4 @@
-"""The NVFP4 KV-cache spec and the mapping of vLLM's allocated views onto the FORMATS.md page."""
+"""The NVFP4 KV-cache spec and the mapping of vLLM's allocated views onto the docs/FORMATS.md page."""
 
 import pytest
 import torch
@@ -40,7 +40,7 @@ def test_spec_rejects_what_the_page_cannot_hold():
 @pytest.mark.parametrize("layout_kind", HND_LAYOUTS + NHD_LAYOUTS, ids=lambda k: k.name)
 def test_page_view_of_vllm_allocation(layout_kind):
     """Views that vLLM itself builds for two layers; tokens stored through `page_view` land at the
-    FORMATS.md offsets of their own layer's page, and nothing else changes."""
+    docs/FORMATS.md offsets of their own layer's page, and nothing else changes."""
     num_blocks, num_layers, head_size, kv_heads, block_size = 5, 2, 64, 2, 32
     spec = customize_nvfp4_spec(nvfp4_spec(head_size, kv_heads, block_size))
     page = spec.page_size_bytes
@@ -93,8 +93,9 @@ def test_page_view_rejects_other_layouts_and_shapes():
 
 def test_layer_checks_name_what_is_unsupported():
     check_nvfp4_layer("nvfp4", AttentionType.DECODER, 128, 8, 2)
-    with pytest.raises(NotImplementedError, match="nvfp4_4over6"):
-        check_nvfp4_layer("nvfp4_4over6", AttentionType.DECODER, 128, 8, 2)
+    check_nvfp4_layer("nvfp4_4over6", AttentionType.DECODER, 128, 8, 2)
+    with pytest.raises(NotImplementedError, match="nvfp4_ds_mla"):
+        check_nvfp4_layer("nvfp4_ds_mla", AttentionType.DECODER, 128, 8, 2)
     with pytest.raises(NotImplementedError, match="attn_type"):
         check_nvfp4_layer("nvfp4", AttentionType.ENCODER_ONLY, 128, 8, 2)
     with pytest.raises(NotImplementedError, match="sliding window"):

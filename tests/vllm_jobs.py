@@ -8,6 +8,10 @@ starts), so every engine configuration gets a fresh interpreter:
 A generation job: {"model": dir, "llm": {LLM kwargs}, "max_tokens": n, "batches": [[prompt, ...], ...]}.
 Batches run one after another, so a later batch can hit the prefix cache an earlier one filled. A prompt
 is a string, or a list of chat messages (run through the model's chat template).
+Optional keys: "logprobs": k adds each generated token's k most likely tokens' log-probabilities,
+"ignore_eos": true, and "plant_foreign_block_after": n makes the NVFP4 attention of request 0 read request 1's
+pages from the n-th attention batch on (a deliberately wrong page, to prove the tests catch one).
+The result also holds "num_preemptions", read from vLLM's metrics when the job passes "disable_log_stats": false.
 A fidelity job: {"fidelity": {teacher_forced_agreement kwargs}} → the FidelityResult's fields.
 """
 
@@ -41,9 +45,12 @@ def main(job: dict) -> None:
 
     from vllm import LLM, SamplingParams
 
+    if "plant_foreign_block_after" in job:
+        plant_foreign_block(job["plant_foreign_block_after"])
     llm = LLM(job["model"], **job["llm"])
     cache = llm.llm_engine.vllm_config.cache_config
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"])
+    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=job.get("logprobs"),
+                            ignore_eos=job.get("ignore_eos", False))
     outputs = []
     for batch in job["batches"]:
         if isinstance(batch[0], str):
@@ -51,10 +58,42 @@ def main(job: dict) -> None:
         else:
             results = llm.chat(batch, params, use_tqdm=False)
         outputs += [{"text": r.outputs[0].text, "token_ids": list(r.outputs[0].token_ids),
-                     "prompt_len": len(r.prompt_token_ids), "num_cached_tokens": r.num_cached_tokens}
+                     "prompt_len": len(r.prompt_token_ids), "num_cached_tokens": r.num_cached_tokens,
+                     "logprobs": top_logprobs(r.outputs[0])}
                     for r in results]
     kv_tokens = cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
-    print("RESULT " + json.dumps({"kv_tokens": kv_tokens, "block_size": cache.block_size, "outputs": outputs}))
+    preemptions = None
+    if not job["llm"].get("disable_log_stats", True):
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    print("RESULT " + json.dumps({"kv_tokens": kv_tokens, "block_size": cache.block_size, "outputs": outputs,
+                                  "num_preemptions": preemptions}))
+
+
+def top_logprobs(completion) -> list[list[tuple[int, float]]] | None:
+    """Per generated token, its candidates (token id, log-probability), most likely first."""
+    if completion.logprobs is None:
+        return None
+    return [sorted(((t, lp.logprob) for t, lp in step.items()), key=lambda c: -c[1]) for step in completion.logprobs]
+
+
+def plant_foreign_block(after_batches: int) -> None:
+    """From the `after_batches`-th NVFP4 attention batch on, request 0 reads request 1's pages (engine in this
+    process: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm_nvfp4_plugin.vllm_adapter import cpu_backend
+
+    build = cpu_backend.core_metadata
+    batches = [0]
+
+    def wrong_pages(common):
+        metadata = build(common)
+        batches[0] += 1
+        if batches[0] >= after_batches and metadata.num_reqs >= 2:
+            block_table = metadata.block_table.clone()
+            block_table[0] = block_table[1]
+            metadata.block_table = block_table
+        return metadata
+
+    cpu_backend.core_metadata = wrong_pages
 
 
 if __name__ == "__main__":

@@ -26,6 +26,12 @@ def _(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, swizzl
                        value=value, slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
+@torch.library.register_fake("vllm_nvfp4::reshape_and_cache_nvfp4_4over6")
+def _(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, swizzle_v_scales):
+    _check_same_device("reshape_and_cache_nvfp4_4over6", key_cache=key_cache, value_cache=value_cache, key=key,
+                       value=value, slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
 @torch.library.register_fake("vllm_nvfp4::gather_nvfp4_kv_cache")
 def _(key_cache, value_cache, block_table, cu_seq_lens, k_scale, v_scale, swizzle_v_scales, out_key, out_value):
     _check_same_device("gather_nvfp4_kv_cache", key_cache=key_cache, value_cache=value_cache,
@@ -69,6 +75,15 @@ def reshape_and_cache_nvfp4(key: torch.Tensor, value: torch.Tensor, key_cache: t
     """Quantize `key`/`value` `[n, heads, head_size]` to NVFP4 into their slots (FORMATS.md §1)."""
     _ops.reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
                                  swizzle_v_scales)
+
+
+def reshape_and_cache_nvfp4_4over6(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                                   value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
+                                   v_scale: torch.Tensor, swizzle_v_scales: bool) -> None:
+    """Like `reshape_and_cache_nvfp4`, each group's block scale from max/6 or max/4, whichever reconstructs it
+    with the smaller squared error (vLLM's "nvfp4_4over6"); the page layout and the read path are unchanged."""
+    _ops.reshape_and_cache_nvfp4_4over6(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                                        swizzle_v_scales)
 
 
 def gather_nvfp4_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,

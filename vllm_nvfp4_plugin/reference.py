@@ -40,19 +40,42 @@ def e2m1_decode(code: torch.Tensor) -> torch.Tensor:
     return torch.where((code & 8) != 0, -mag, mag)
 
 
-def nvfp4_encode(x: torch.Tensor, global_scale) -> tuple[torch.Tensor, torch.Tensor]:
+def _nvfp4_candidate(groups: torch.Tensor, amax: torch.Tensor, inv_divisor: torch.Tensor, g: torch.Tensor):
+    """E2M1 codes `[..., groups, 16]` and scales of `groups` with SF = e4m3(amax · inv_divisor / global)."""
+    sf = e4m3(amax * inv_divisor * (1.0 / g))
+    sf_f = sf.to(_F32)
+    out_scale = torch.where(sf_f == 0, torch.zeros_like(sf_f), 1.0 / (sf_f * g))
+    return e2m1_encode(groups * out_scale.unsqueeze(-1)), sf
+
+
+def _squared_error(codes: torch.Tensor, sf: torch.Tensor, g: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """Σ ((e2m1 · SF) · global - x)² of each group in float32, summed in element order (as the kernels do)."""
+    decoded = e2m1_decode(codes) * sf.to(_F32).unsqueeze(-1) * g
+    err = torch.zeros(groups.shape[:-1], dtype=_F32, device=groups.device)
+    for i in range(NVFP4_GROUP):
+        d = decoded[..., i] - groups[..., i]
+        err = err + d * d
+    return err
+
+
+def nvfp4_encode(x: torch.Tensor, global_scale, four_over_six: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize `[..., head_size]` → (packed codes uint8 `[..., head_size/2]`, scales e4m3 `[..., head_size/16]`).
 
-    `global_scale` is the dequant scale: x ≈ e2m1(code) · SF · global.
+    `global_scale` is the dequant scale: x ≈ e2m1(code) · SF · global. Plain NVFP4 takes SF from max/6; with
+    `four_over_six` (vLLM's "nvfp4_4over6") each group takes the max/6 or the max/4 scale, whichever gives the
+    smaller squared reconstruction error (max/6 on a tie or a NaN).
     """
     g = _f32(global_scale).to(x.device)
     groups = x.to(_F32).reshape(*x.shape[:-1], x.shape[-1] // NVFP4_GROUP, NVFP4_GROUP)
     amax = groups.abs().amax(-1)
-    one_sixth = _f32(1.0) / _f32(6.0)
-    sf = e4m3(amax * one_sixth.to(x.device) * (1.0 / g))
-    sf_f = sf.to(_F32)
-    out_scale = torch.where(sf_f == 0, torch.zeros_like(sf_f), 1.0 / (sf_f * g))
-    codes = e2m1_encode(groups * out_scale.unsqueeze(-1)).reshape(x.shape)
+    one_sixth = (_f32(1.0) / _f32(6.0)).to(x.device)
+    codes, sf = _nvfp4_candidate(groups, amax, one_sixth, g)
+    if four_over_six:
+        codes4, sf4 = _nvfp4_candidate(groups, amax, _f32(0.25).to(x.device), g)
+        four = _squared_error(codes4, sf4, g, groups) < _squared_error(codes, sf, g, groups)
+        codes = torch.where(four.unsqueeze(-1), codes4, codes)
+        sf = torch.where(four, sf4.view(torch.uint8), sf.view(torch.uint8)).view(torch.float8_e4m3fn)
+    codes = codes.reshape(x.shape)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # low nibble = even element
     return packed, sf
 
@@ -80,7 +103,7 @@ def _entry_offsets(layout: NVFP4PageLayout, offsets: torch.Tensor, swizzled: boo
 
 
 def reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
-                            swizzle_v_scales: bool) -> None:
+                            swizzle_v_scales: bool, four_over_six: bool = False) -> None:
     layout = NVFP4PageLayout.from_side_cache(key_cache, swizzle_v_scales)
     slots = slot_mapping.long()
     valid = (slots >= 0).nonzero().flatten()
@@ -88,12 +111,18 @@ def reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping, k_
     blocks, offsets = slots // layout.block_size, slots % layout.block_size
     for side_cache, x, g, swizzled in ((key_cache, key, k_scale, False),
                                        (value_cache, value, v_scale, swizzle_v_scales)):
-        packed, sf = nvfp4_encode(x[valid], g)
+        packed, sf = nvfp4_encode(x[valid], g, four_over_six)
         data_off, scale_off = _entry_offsets(layout, offsets, swizzled)
         flat = layout.side_bytes_view(side_cache)
         rows = blocks.view(-1, 1, 1)
         flat[rows.expand_as(data_off), data_off] = packed
         flat[rows.expand_as(scale_off), scale_off] = sf.view(torch.uint8)
+
+
+def reshape_and_cache_nvfp4_4over6(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                                   swizzle_v_scales: bool) -> None:
+    reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale, swizzle_v_scales,
+                            four_over_six=True)
 
 
 def _gather_positions(block_table, cu_seq_lens, block_size):

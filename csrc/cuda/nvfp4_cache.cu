@@ -140,6 +140,40 @@ __global__ void __launch_bounds__(THREADS, 10) reshape_and_cache_nvfp4_kernel(
   }
 }
 
+// vLLM's "nvfp4_4over6" store: one thread a 16-element group of one (token, head), K then V, through quant.h's
+// nvfp4_4over6_group (the CPU op's and the reference's arithmetic; -fmad=false keeps it unfused). Scalar loads and
+// stores: each group is quantized twice, so the store is compute-bound rather than load-bound.
+template <typename T>
+__global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_4over6_kernel(
+    const T* __restrict__ key, const T* __restrict__ value, int64_t key_token_stride, int64_t key_head_stride,
+    int64_t value_token_stride, int64_t value_head_stride, uint8_t* __restrict__ key_cache,
+    uint8_t* __restrict__ value_cache, int64_t block_stride, int64_t num_blocks,
+    const int64_t* __restrict__ slot_mapping, int64_t num_tokens, const float* __restrict__ k_scale,
+    const float* __restrict__ v_scale, NVFP4PageLayout layout) {
+  const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.z + threadIdx.z;
+  if (token >= num_tokens) return;
+  const int64_t slot = slot_mapping[token];
+  if (slot < 0 || slot >= num_blocks * layout.block_size) return;  // padding, or past the cache (see above)
+  const float kg = k_scale[0], vg = v_scale[0];
+  const int64_t block = slot / layout.block_size, offset = slot - block * layout.block_size;
+  const int g = threadIdx.x;
+  for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
+    float x[GROUP];
+    const T* k = key + token * key_token_stride + head * key_head_stride + g * GROUP;
+#pragma unroll
+    for (int i = 0; i < GROUP; ++i) x[i] = to_float(k[i]);
+    uint8_t* side = key_cache + block * block_stride;
+    side[layout.scale_offset(offset, head, g, false)] =
+        nvfp4_4over6_group(x, kg, 1.0f / kg, side + layout.data_offset(offset, head) + g * GROUP / 2);
+    const T* v = value + token * value_token_stride + head * value_head_stride + g * GROUP;
+#pragma unroll
+    for (int i = 0; i < GROUP; ++i) x[i] = to_float(v[i]);
+    side = value_cache + block * block_stride;
+    side[layout.scale_offset(offset, head, g, layout.swizzle_v_scales)] =
+        nvfp4_4over6_group(x, vg, 1.0f / vg, side + layout.data_offset(offset, head) + g * GROUP / 2);
+  }
+}
+
 // E2M1 value of each 4-bit code, signed. Each block copies it to shared memory, where a warp's 32 lookups
 // hit distinct banks or broadcast (constant memory would serialize divergent indices).
 __constant__ float E2M1_VALUES[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
@@ -262,6 +296,31 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
   check_launch(op);
 }
 
+void reshape_and_cache_nvfp4_4over6_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                                         Tensor& value_cache, const Tensor& slot_mapping, const Tensor& k_scale,
+                                         const Tensor& v_scale, bool swizzle_v_scales) {
+  const char* op = "reshape_and_cache_nvfp4_4over6";
+  const NVFP4PageLayout layout = check_reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping,
+                                                               k_scale, v_scale, swizzle_v_scales, op);
+  const int64_t num_tokens = slot_mapping.size(0);
+  if (num_tokens == 0) return;
+  const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
+  check_head_size(op, layout);
+  const dim3 block = block_shape(layout, 1);
+  const dim3 grid(static_cast<unsigned>((num_tokens + block.z - 1) / block.z));
+  const cudaStream_t stream = current_stream(key_cache);
+  dispatch_float_types(op, key.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    reshape_and_cache_nvfp4_4over6_kernel<T><<<grid, block, 0, stream>>>(
+        static_cast<const T*>(key.const_data_ptr()), static_cast<const T*>(value.const_data_ptr()), key.stride(0),
+        key.stride(1), value.stride(0), value.stride(1), static_cast<uint8_t*>(key_cache.mutable_data_ptr()),
+        static_cast<uint8_t*>(value_cache.mutable_data_ptr()), key_cache.stride(0), key_cache.size(0),
+        slot_mapping.const_data_ptr<int64_t>(), num_tokens, k_scale.const_data_ptr<float>(),
+        v_scale.const_data_ptr<float>(), layout);
+  });
+  check_launch(op);
+}
+
 void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_table,
                                 const Tensor& cu_seq_lens, const Tensor& k_scale, const Tensor& v_scale,
                                 bool swizzle_v_scales, Tensor& out_key, Tensor& out_value) {
@@ -301,6 +360,7 @@ void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cac
 
 STABLE_TORCH_LIBRARY_IMPL(vllm_nvfp4, CUDA, m) {
   m.impl("reshape_and_cache_nvfp4", TORCH_BOX(&reshape_and_cache_nvfp4_cuda));
+  m.impl("reshape_and_cache_nvfp4_4over6", TORCH_BOX(&reshape_and_cache_nvfp4_4over6_cuda));
   m.impl("gather_nvfp4_kv_cache", TORCH_BOX(&gather_nvfp4_kv_cache_cuda));
 }
 

@@ -40,8 +40,8 @@ namespace {
 
 constexpr int ATTN_THREADS = 128;
 constexpr int ATTN_WARPS = ATTN_THREADS / WARP;
-constexpr int TILE = 64;          // KV tokens per pipeline stage
-constexpr int STEP = 16;          // tokens per warp step: two n8 blocks of S, one k16 block of P·V
+constexpr int TILE = 64;             // KV tokens per pipeline stage
+constexpr int STEP = 16;             // tokens per warp step: two n8 blocks of S, one k16 block of P·V
 constexpr int STAGE_BUDGET = 36864;  // bytes of shared memory for the stage ring (under the 48 KB default)
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float CODE_UNIT = 16384.0f;  // 2^14: a decoded code is its E2M1 value / 2^14
@@ -54,11 +54,11 @@ struct Tiles {
   static constexpr int V_SCALES = K_SCALES + TILE * SCALES;
   static constexpr int STAGE_BYTES = 2 * TILE * (DATA + SCALES);
   static constexpr int STAGES = STAGE_BUDGET / STAGE_BYTES;  // 8 / 4 / 2 for head 64 / 128 / 256
-  static constexpr int Q_CHUNK = D / 4;   // query elements (K codes) of one lane's quarter of a row
-  static constexpr int K_WORDS = D / 32;  // 32-bit code words of that quarter
-  static constexpr int V_WORDS = D / 64;  // code words of one lane's eighth of a V row
-  static constexpr int KSTEPS = D / 16;   // k16 steps of Q·K^T
-  static constexpr int VBLOCKS = D / 8;   // n8 blocks of the output
+  static constexpr int Q_CHUNK = D / 4;                      // query elements (K codes) of one lane's quarter of a row
+  static constexpr int K_WORDS = D / 32;                     // 32-bit code words of that quarter
+  static constexpr int V_WORDS = D / 64;                     // code words of one lane's eighth of a V row
+  static constexpr int KSTEPS = D / 16;                      // k16 steps of Q·K^T
+  static constexpr int VBLOCKS = D / 8;                      // n8 blocks of the output
   static_assert(STAGES >= 2, "the stage ring needs two stages");
 };
 
@@ -149,7 +149,8 @@ struct Params {
   float logit_scale;  // scale · log2(e)
   bool causal;
   NVFP4PageLayout layout;
-  int group;           // query heads per KV head
+  int block_shift;  // log2(block_size) when a power of two, else -1
+  int group;        // query heads per KV head
   int tiles_per_split;
   int num_splits;
   void* out;
@@ -159,30 +160,73 @@ struct Params {
   int64_t num_tokens;
 };
 
-// The KV tile's raw bytes into one stage: thread i copies token i / 2's K (even i) or V (odd i) codes and scales.
-template <int D>
-__device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, const int32_t* table_row, int head,
-                                          int tile_start, int kv_end) {
-  using G = Tiles<D>;
-  const int token = threadIdx.x >> 1, side = threadIdx.x & 1;
-  const int pos = tile_start + token;
+// (block-table column, offset in the block) of a token position: shifts for power-of-two blocks.
+__device__ __forceinline__ int2 block_position(const Params& p, int pos) {
+  if (p.block_shift >= 0) return make_int2(pos >> p.block_shift, pos & ((1 << p.block_shift) - 1));
   const int block_size = static_cast<int>(p.layout.block_size);
-  const uint8_t* base = side ? p.value_cache : p.key_cache;
-  int64_t block = -1;
-  int offset = 0;
-  if (pos < kv_end) {
-    block = __ldg(table_row + pos / block_size);
-    offset = pos % block_size;
-  }
-  const bool valid = block >= 0 && block < p.num_blocks;
-  const int64_t entry = p.layout.entry_index(offset, head);
-  const uint8_t* page = base + (valid ? block : 0) * p.block_stride;
-  const uint8_t* data = page + entry * G::DATA;
-  const uint8_t* scales = page + p.layout.data_region_bytes() + entry * G::SCALES;
-  uint8_t* data_dst = stage + (side ? G::V_DATA : G::K_DATA) + token * G::DATA;
+  return make_int2(pos / block_size, pos % block_size);
+}
+
+// Which tokens of a tile this thread copies: a warp's 16-byte chunks cover whole (token, head) rows, so each copy
+// instruction reads contiguous rows. Data: chunk tid % CHUNKS of tokens data_token(j), in K and in V; scales:
+// token tid % TILE of side tid / TILE.
+template <int D>
+struct TileCopy {
+  static constexpr int CHUNKS = D / 32;                             // 16-byte chunks of one (token, head) code row
+  static constexpr int DATA_TOKENS = TILE * CHUNKS / ATTN_THREADS;  // data tokens of one thread
+  static constexpr int TOKEN_STRIDE = ATTN_THREADS / CHUNKS;
+  static constexpr int PAGES = DATA_TOKENS + 1;  // the scale token last
+  static_assert(TILE * CHUNKS % ATTN_THREADS == 0 && 2 * TILE == ATTN_THREADS, "copy mapping");
+
+  __device__ static int data_token(int j) { return (j * TOKEN_STRIDE + static_cast<int>(threadIdx.x) / CHUNKS) % TILE; }
+  __device__ static int scale_token() { return threadIdx.x % TILE; }
+};
+
+// The block ids of this thread's tokens in `tile` (-1: nothing to copy), read one tile ahead of their use so the
+// copies never wait on the block table. A swizzled V scale row holds scales of all 4 tokens of its group, so it is
+// copied whenever the group's first token is in range.
+template <int D>
+__device__ __forceinline__ void tile_pages(int (&pages)[TileCopy<D>::PAGES], const Params& p, const int32_t* table_row,
+                                           int tile, int kv_end) {
+  using C = TileCopy<D>;
+  const bool v_side = threadIdx.x >= TILE;
 #pragma unroll
-  for (int c = 0; c < G::DATA / 16; ++c) copy_async<16>(data_dst + 16 * c, data + 16 * c, valid);
-  copy_async<G::SCALES>(stage + (side ? G::V_SCALES : G::K_SCALES) + token * G::SCALES, scales, valid);
+  for (int j = 0; j < C::PAGES; ++j) {
+    const int pos = tile * TILE + (j < C::DATA_TOKENS ? C::data_token(j) : C::scale_token());
+    const int first = j == C::DATA_TOKENS && v_side && p.layout.swizzle_v_scales ? pos & ~3 : pos;
+    int block = -1;
+    if (tile >= 0 && first < kv_end) {
+      block = __ldg(table_row + block_position(p, pos).x);
+      if (block < 0 || block >= p.num_blocks) block = -1;
+    }
+    pages[j] = block;
+  }
+}
+
+// The KV tile's raw bytes into one stage (zeros where a token has no block).
+template <int D>
+__device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, int head, int tile,
+                                          const int (&pages)[TileCopy<D>::PAGES]) {
+  using G = Tiles<D>;
+  using C = TileCopy<D>;
+  // entry_index(offset, head) = offset · token_step + head_entry (NHD: token-major, HND: head-major)
+  const int token_step = p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);
+  const int head_entry = head * (p.layout.hnd ? static_cast<int>(p.layout.block_size) : 1);
+  const int chunk = threadIdx.x % C::CHUNKS;
+#pragma unroll
+  for (int j = 0; j < C::DATA_TOKENS; ++j) {  // the same rows of K and V
+    const int token = C::data_token(j), block = pages[j];
+    const int entry = block_position(p, tile * TILE + token).y * token_step + head_entry;
+    const int64_t offset = static_cast<int64_t>(max(block, 0)) * p.block_stride + entry * G::DATA + 16 * chunk;
+    const int dst = token * G::DATA + 16 * chunk;
+    copy_async<16>(stage + G::K_DATA + dst, p.key_cache + offset, block >= 0);
+    copy_async<16>(stage + G::V_DATA + dst, p.value_cache + offset, block >= 0);
+  }
+  const int side = threadIdx.x / TILE, token = C::scale_token(), block = pages[C::DATA_TOKENS];
+  const int entry = block_position(p, tile * TILE + token).y * token_step + head_entry;
+  const uint8_t* src = (side ? p.value_cache : p.key_cache) + static_cast<int64_t>(max(block, 0)) * p.block_stride +
+                       static_cast<int>(p.layout.data_region_bytes()) + entry * G::SCALES;
+  copy_async<G::SCALES>(stage + (side ? G::V_SCALES : G::K_SCALES) + token * G::SCALES, src, block >= 0);
 }
 
 template <int D, int WARPS_M, typename T>
@@ -216,10 +260,16 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
   const int g = lane >> 2, t = lane & 3;
 
   const int32_t* table_row = p.block_table + static_cast<int64_t>(request) * p.table_stride;
+  int pages[TileCopy<D>::PAGES];
   for (int s = 0; s < G::STAGES - 1; ++s) {
-    if (s < num_tiles) load_tile<D>(smem + s * G::STAGE_BYTES, p, table_row, head, (tile_begin + s) * TILE, kv_end);
+    if (s < num_tiles) {
+      tile_pages<D>(pages, p, table_row, tile_begin + s, kv_end);
+      load_tile<D>(smem + s * G::STAGE_BYTES, p, head, tile_begin + s, pages);
+    }
     copy_commit();
   }
+  // Block ids of the next tile to copy, fetched an iteration before the copy.
+  tile_pages<D>(pages, p, table_row, G::STAGES - 1 < num_tiles ? tile_begin + G::STAGES - 1 : -1, kv_end);
 
   // This lane's two rows (g and g + 8 of the warp's 16): their query tokens, visible key ends and logit scales;
   // their query quarters as float16 A fragments, in the order code_pair decodes K.
@@ -245,7 +295,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
     }
     amax = quad_max(amax);
     int exponent = 0;
-    if (amax > 0.0f) frexpf(amax, &exponent);  // amax < 2^exponent
+    if (amax > 0.0f) frexpf(amax, &exponent);   // amax < 2^exponent
     const int shift = min(127, 15 - exponent);  // max |q| · 2^shift in [2^14, 2^15)
     const float up = ldexpf(1.0f, shift);
     row_scale[r] = p.logit_scale * __ldg(p.k_scale) * CODE_UNIT * ldexpf(1.0f, -shift);
@@ -269,10 +319,9 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
     __syncthreads();
     {
       const int next = it + G::STAGES - 1;
-      if (next < num_tiles)
-        load_tile<D>(smem + (next % G::STAGES) * G::STAGE_BYTES, p, table_row, head, (tile_begin + next) * TILE,
-                     kv_end);
+      if (next < num_tiles) load_tile<D>(smem + (next % G::STAGES) * G::STAGE_BYTES, p, head, tile_begin + next, pages);
       copy_commit();
+      tile_pages<D>(pages, p, table_row, next + 1 < num_tiles ? tile_begin + next + 1 : -1, kv_end);
     }
     if (!warp_has_rows) continue;
     const uint8_t* stage = smem + (it % G::STAGES) * G::STAGE_BYTES;
@@ -335,15 +384,17 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
           }
         l[r] = l[r] * alpha[r] + sum;
       }
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // a row max moved in this warp
 #pragma unroll
-      for (int c = 0; c < G::VBLOCKS; ++c) {
-        o[c][0] *= alpha[0];
-        o[c][1] *= alpha[0];
-        o[c][2] *= alpha[1];
-        o[c][3] *= alpha[1];
+        for (int c = 0; c < G::VBLOCKS; ++c) {
+          o[c][0] *= alpha[0];
+          o[c][1] *= alpha[0];
+          o[c][2] *= alpha[1];
+          o[c][3] *= alpha[1];
+        }
       }
-      const uint32_t pa[4] = {pack_half2(s[0][0], s[0][1]), pack_half2(s[0][2], s[0][3]),
-                              pack_half2(s[1][0], s[1][1]), pack_half2(s[1][2], s[1][3])};
+      const uint32_t pa[4] = {pack_half2(s[0][0], s[0][1]), pack_half2(s[0][2], s[0][3]), pack_half2(s[1][0], s[1][1]),
+                              pack_half2(s[1][2], s[1][3])};
       // O += P · V: this lane's k rows are tokens 4t .. 4t + 3 of the step; its V columns are the eighth g of
       // each token's row, code c of that eighth feeding n-block c.
       const int v_token = st * STEP + 4 * t;
@@ -376,7 +427,9 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
             entry = (token & ~3) + group / quarter;
             byte = (group % quarter) * 4 + (token & 3);
           }
-          sf_bytes[k] = stage[G::V_SCALES + entry * G::SCALES + byte];
+          // A token past the range has zero codes but, in a swizzled group, a copied scale byte that may be
+          // anything (a NaN times its zero probability is NaN): its scale is zero.
+          sf_bytes[k] = tile_start + token < kv_end ? stage[G::V_SCALES + entry * G::SCALES + byte] : 0u;
         }
         const uint32_t sf01 = scale_pair(sf_bytes[0] | (sf_bytes[1] << 8));
         const uint32_t sf23 = scale_pair(sf_bytes[2] | (sf_bytes[3] << 8));
@@ -473,38 +526,41 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
   }
 }
 
-// Merges the splits' partial outputs: one CTA per query token, a thread per 4 columns of one head.
+// Merges the splits' partial outputs: one warp per (query token, query head); lanes share the splits' log-sum-exps,
+// then each lane sums its columns over the splits.
 template <int D, typename T>
-__global__ void __launch_bounds__(ATTN_THREADS) combine_splits_kernel(
-    const float* __restrict__ partial_out, const float* __restrict__ partial_lse, int num_splits, int64_t num_tokens,
-    int q_heads, const int32_t* __restrict__ query_start_loc, int num_reqs, T* __restrict__ out,
-    int64_t out_token_stride, int64_t out_head_stride) {
-  const int64_t token = blockIdx.x;
-  if (token >= __ldg(query_start_loc + num_reqs)) return;
-  for (int i = threadIdx.x; i < q_heads * (D / 4); i += blockDim.x) {
-    const int head = i / (D / 4), d = (i % (D / 4)) * 4;
-    float lse_max = -INFINITY;
-    for (int s = 0; s < num_splits; ++s)
-      lse_max = fmaxf(lse_max, __ldg(partial_lse + (s * num_tokens + token) * q_heads + head));
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, weight = 0.0f;
-    if (lse_max != -INFINITY) {
-      for (int s = 0; s < num_splits; ++s) {
-        const float lse = __ldg(partial_lse + (s * num_tokens + token) * q_heads + head);
-        if (lse == -INFINITY) continue;
-        const float w = fast_exp2(lse - lse_max);
-        const float4 v = __ldg(reinterpret_cast<const float4*>(partial_out + ((s * num_tokens + token) * q_heads + head) * D + d));
-        acc[0] += w * v.x;
-        acc[1] += w * v.y;
-        acc[2] += w * v.z;
-        acc[3] += w * v.w;
-        weight += w;
-      }
-    }
-    const float inv = weight > 0.0f ? 1.0f / weight : 0.0f;
-    T* dst = out + token * out_token_stride + head * out_head_stride + d;
+__global__ void __launch_bounds__(ATTN_THREADS)
+    combine_splits_kernel(const float* __restrict__ partial_out, const float* __restrict__ partial_lse, int num_splits,
+                          int64_t num_tokens, int q_heads, const int32_t* __restrict__ query_start_loc, int num_reqs,
+                          T* __restrict__ out, int64_t out_token_stride, int64_t out_head_stride) {
+  const int64_t pair = static_cast<int64_t>(blockIdx.x) * ATTN_WARPS + threadIdx.x / WARP;
+  const int lane = threadIdx.x % WARP;
+  const int64_t token = pair / q_heads;
+  const int head = static_cast<int>(pair % q_heads);
+  if (token >= min(num_tokens, static_cast<int64_t>(__ldg(query_start_loc + num_reqs)))) return;
+  const int64_t split_stride = num_tokens * q_heads;
+  const float* lse = partial_lse + token * q_heads + head;
+  float lse_max = -INFINITY;
+  for (int s = lane; s < num_splits; s += WARP) lse_max = fmaxf(lse_max, __ldg(lse + s * split_stride));
 #pragma unroll
-    for (int k = 0; k < 4; ++k) from_float(acc[k] * inv, dst + k);
+  for (int o = WARP / 2; o > 0; o /= 2) lse_max = fmaxf(lse_max, __shfl_xor_sync(0xffffffffu, lse_max, o));
+  constexpr int COLS = D / WARP;
+  float acc[COLS] = {}, weight = 0.0f;
+  if (lse_max != -INFINITY) {
+    const float* src = partial_out + (token * q_heads + head) * D + lane * COLS;
+#pragma unroll 4
+    for (int s = 0; s < num_splits; ++s) {
+      const float l = __ldg(lse + s * split_stride);
+      const float w = l == -INFINITY ? 0.0f : fast_exp2(l - lse_max);
+      weight += w;
+#pragma unroll
+      for (int c = 0; c < COLS; ++c) acc[c] += w * __ldg(src + s * split_stride * D + c);
+    }
   }
+  const float inv = weight > 0.0f ? 1.0f / weight : 0.0f;
+  T* dst = out + token * out_token_stride + head * out_head_stride + lane * COLS;
+#pragma unroll
+  for (int c = 0; c < COLS; ++c) from_float(acc[c] * inv, dst + c);
 }
 
 // --- host side ----------------------------------------------------------------------------------------
@@ -516,8 +572,8 @@ std::string shape_text(const Tensor& t) {
 }
 
 void check_on(const char* op, const char* name, const Tensor& t, const Tensor& query) {
-  NVFP4_CHECK(t.device() == query.device(), op, ": ", name, ": must be on query's device (cuda:",
-              query.get_device_index(), ")");
+  NVFP4_CHECK(t.device() == query.device(), op, ": ", name,
+              ": must be on query's device (cuda:", query.get_device_index(), ")");
 }
 
 void check_int32_vector(const char* op, const char* name, const Tensor& t, int64_t size, const Tensor& query) {
@@ -529,10 +585,9 @@ void check_int32_vector(const char* op, const char* name, const Tensor& t, int64
 
 // Argument checks of the CUDA op; returns the cache layout. Rules as in the op's docstring (ops.py).
 NVFP4PageLayout check_paged_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                                      const Tensor& block_table, const Tensor& query_start_loc,
-                                      const Tensor& seq_lens, const Tensor& k_scale, const Tensor& v_scale,
-                                      bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len,
-                                      const Tensor& out) {
+                                      const Tensor& block_table, const Tensor& query_start_loc, const Tensor& seq_lens,
+                                      const Tensor& k_scale, const Tensor& v_scale, bool swizzle_v_scales,
+                                      int64_t max_query_len, int64_t max_seq_len, const Tensor& out) {
   const char* op = "nvfp4_paged_attention";
   NVFP4_CHECK(query.scalar_type() == ScalarType::BFloat16 || query.scalar_type() == ScalarType::Half, op,
               ": query: dtype must be bfloat16 or float16, got ", query.scalar_type());
@@ -553,7 +608,8 @@ NVFP4PageLayout check_paged_attention(const Tensor& query, const Tensor& key_cac
   NVFP4_CHECK(key_cache.stride(3) == 1 && (key_cache.size(inner) == 1 || key_cache.stride(inner) == full_dim) &&
                   (key_cache.size(outer) == 1 || key_cache.stride(outer) == full_dim * key_cache.size(inner)) &&
                   (key_cache.size(0) <= 1 || key_cache.stride(0) >= layout.side_bytes()),
-              op, ": key_cache: each block side must be contiguous NHD or HND bytes, got shape ", shape_text(key_cache));
+              op, ": key_cache: each block side must be contiguous NHD or HND bytes, got shape ",
+              shape_text(key_cache));
   NVFP4_CHECK(aligned(key_cache.const_data_ptr(), 16) && aligned(value_cache.const_data_ptr(), 16) &&
                   key_cache.stride(0) % 16 == 0,
               op, ": key_cache: block sides must start on 16-byte boundaries (pointer and block stride)");
@@ -565,9 +621,8 @@ NVFP4PageLayout check_paged_attention(const Tensor& query, const Tensor& key_cac
     same_geometry = value_cache.size(d) == key_cache.size(d) && value_cache.stride(d) == key_cache.stride(d);
   NVFP4_CHECK(same_geometry, op, ": value_cache: must be uint8 with key_cache's shape ", shape_text(key_cache),
               " and strides, got shape ", shape_text(value_cache));
-  NVFP4_CHECK(query.size(2) == head_size && query.size(1) % num_heads == 0 && query.size(1) > 0, op,
-              ": query: shape ", shape_text(query), " must be [num_tokens, a multiple of ", num_heads, " heads, ",
-              head_size, "]");
+  NVFP4_CHECK(query.size(2) == head_size && query.size(1) % num_heads == 0 && query.size(1) > 0, op, ": query: shape ",
+              shape_text(query), " must be [num_tokens, a multiple of ", num_heads, " heads, ", head_size, "]");
   NVFP4_CHECK(aligned(query.const_data_ptr(), 16) && (query.stride(0) * 2) % 16 == 0 && (query.stride(1) * 2) % 16 == 0,
               op, ": query: data pointer and strides must be 16-byte aligned");
   NVFP4_CHECK(out.scalar_type() == query.scalar_type() && out.dim() == 3 && out.size(0) == query.size(0) &&
@@ -585,7 +640,8 @@ NVFP4PageLayout check_paged_attention(const Tensor& query, const Tensor& key_cac
   check_on(op, "key_cache", key_cache, query);
   check_on(op, "value_cache", value_cache, query);
   check_on(op, "out", out, query);
-  for (const auto& [name, scale] : {std::pair<const char*, const Tensor*>{"k_scale", &k_scale}, {"v_scale", &v_scale}}) {
+  for (const auto& [name, scale] :
+       {std::pair<const char*, const Tensor*>{"k_scale", &k_scale}, {"v_scale", &v_scale}}) {
     NVFP4_CHECK(scale->scalar_type() == ScalarType::Float && scale->numel() == 1, op, ": ", name,
                 ": must hold one float32 (the layer's global scale)");
     check_on(op, name, *scale, query);
@@ -598,8 +654,9 @@ NVFP4PageLayout check_paged_attention(const Tensor& query, const Tensor& key_cac
 int multiprocessors(int device) {
   static int count[64] = {};
   if (device < 0 || device >= 64) device = 0;
-  if (count[device] == 0) NVFP4_CHECK(cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device) ==
-                                          cudaSuccess, "nvfp4_paged_attention: cannot read the multiprocessor count");
+  if (count[device] == 0)
+    NVFP4_CHECK(cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
+                "nvfp4_paged_attention: cannot read the multiprocessor count");
   return count[device];
 }
 
@@ -629,17 +686,19 @@ void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_
     p.partial_out = partial_out.mutable_data_ptr<float>();
     p.partial_lse = partial_lse.mutable_data_ptr<float>();
   }
-  NVFP4_CHECK(num_reqs <= 65535 && row_tiles * p.layout.num_heads <= INT32_MAX, "nvfp4_paged_attention: ",
-              num_reqs, " requests exceed the launch grid (at most 65535)");
+  NVFP4_CHECK(num_reqs <= 65535 && row_tiles * p.layout.num_heads <= INT32_MAX, "nvfp4_paged_attention: ", num_reqs,
+              " requests exceed the launch grid (at most 65535)");
   const dim3 grid(static_cast<unsigned>(row_tiles * p.layout.num_heads), static_cast<unsigned>(splits),
                   static_cast<unsigned>(num_reqs));
   kernel<<<grid, ATTN_THREADS, smem_bytes, stream>>>(p);
   check_launch("nvfp4_paged_attention");
   if (splits > 1) {
-    combine_splits_kernel<D, T><<<static_cast<unsigned>(p.num_tokens), ATTN_THREADS, 0, stream>>>(
-        p.partial_out, p.partial_lse, p.num_splits, p.num_tokens, static_cast<int>(q_heads),
-        query_start_loc.const_data_ptr<int32_t>(), static_cast<int>(num_reqs), static_cast<T*>(p.out),
-        p.out_token_stride, p.out_head_stride);
+    const int64_t pairs = p.num_tokens * q_heads;
+    combine_splits_kernel<D, T>
+        <<<static_cast<unsigned>((pairs + ATTN_WARPS - 1) / ATTN_WARPS), ATTN_THREADS, 0, stream>>>(
+            p.partial_out, p.partial_lse, p.num_splits, p.num_tokens, static_cast<int>(q_heads),
+            query_start_loc.const_data_ptr<int32_t>(), static_cast<int>(num_reqs), static_cast<T*>(p.out),
+            p.out_token_stride, p.out_head_stride);
     check_launch("nvfp4_paged_attention (combine)");
   }
 }
@@ -683,6 +742,9 @@ void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, co
   p.logit_scale = static_cast<float>(scale) * LOG2E;
   p.causal = causal;
   p.layout = layout;
+  p.block_shift = -1;
+  for (int shift = 0; shift < 31; ++shift)
+    if ((int64_t{1} << shift) == layout.block_size) p.block_shift = shift;
   p.group = static_cast<int>(query.size(1) / layout.num_heads);
   p.out = out.mutable_data_ptr();
   p.out_token_stride = out.stride(0);
@@ -692,13 +754,20 @@ void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, co
   auto by_type = [&](auto tag) {
     using T = decltype(tag);
     switch (layout.head_size) {
-      case 64: dispatch_rows<64, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream); break;
-      case 128: dispatch_rows<128, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream); break;
-      default: dispatch_rows<256, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+      case 64:
+        dispatch_rows<64, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+        break;
+      case 128:
+        dispatch_rows<128, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+        break;
+      default:
+        dispatch_rows<256, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
     }
   };
-  if (query.scalar_type() == ScalarType::BFloat16) by_type(__nv_bfloat16{});
-  else by_type(__half{});
+  if (query.scalar_type() == ScalarType::BFloat16)
+    by_type(__nv_bfloat16{});
+  else
+    by_type(__half{});
 }
 
 }  // namespace

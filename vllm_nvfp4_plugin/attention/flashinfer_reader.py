@@ -1,18 +1,19 @@
 """CUDA attention over the plugin's NVFP4 cache: the plugin's own kernel by default, FlashInfer as the alternatives.
 
-Readers (`CUDA_READERS`):
+Decode readers (`CUDA_READERS`; "auto" picks fa2 where it can read the head size, else the plugin's kernel):
 
-- "plugin" (default): `ops.nvfp4_paged_attention`, one launch for the whole batch (decodes, prompts, chunks over
-  cached prefixes), reading the NVFP4 pages directly; no host synchronisation, launch planned from the metadata's
-  host-side length bounds, so it can be captured in a CUDA graph. Every head size (64, 128, 256).
-- "fa2": FlashInfer's fa2 tensor-core decode for the leading decode requests, the attention core for the rest.
-  FlashInfer (0.7) treats a uint8 paged cache plus `kv_cache_sf` e4m3 block scales as NVFP4, on SM80, SM90 and
-  SM120. It takes any page/token/head strides, so the data and scale regions of our `[DATA | SCALES]` sides are
-  handed to it as strided views of the same bytes: nothing is copied. It misreads head size 64.
+- "plugin": `ops.nvfp4_paged_attention`, one launch for a whole batch (decodes, prompts, chunks over cached
+  prefixes), reading the NVFP4 pages directly; no host synchronisation, launch planned from the metadata's
+  host-side length bounds, so it can be captured in a CUDA graph. Every head size (64, 128, 256). On the H200 it
+  decodes slower than fa2 (benchmarks/results/cuda_attention.md), hence not the "auto" choice where fa2 works.
+- "fa2": FlashInfer's fa2 tensor-core decode for the leading decode requests. FlashInfer (0.7) treats a uint8
+  paged cache plus `kv_cache_sf` e4m3 block scales as NVFP4, on SM80, SM90 and SM120. It takes any
+  page/token/head strides, so the data and scale regions of our `[DATA | SCALES]` sides are handed to it as
+  strided views of the same bytes: nothing is copied. It misreads head size 64.
 
-`DequantPrefill` is the other prefill route: dequantize the requests' pages into a reused bf16 workspace (the
-gather op) and run FlashInfer's fa3 ragged prefill over it; benchmarks/bench_attention_cuda.py times it against
-the fused kernel.
+Prefills go to `DequantPrefill` where it runs (SM90 with FlashInfer): the requests' pages dequantized into a reused
+bf16/fp16 workspace (the gather op), then FlashInfer's fa3 ragged prefill, measured at about bf16 speed and 6× the
+fused kernel's; elsewhere to the kernel ("plugin") or the attention core ("fa2").
 
 Both readers take linear V scales: the cache is stored with `SWIZZLE_V_SCALES` (False).
 """
@@ -30,7 +31,7 @@ from .core import DequantWorkspace, paged_attention
 from .metadata import NVFP4AttentionMetadata
 
 SWIZZLE_V_SCALES = False  # fa2 and the core's gather both read linear V scales
-CUDA_READERS = ("plugin", "fa2")
+CUDA_READERS = ("auto", "plugin", "fa2")
 
 FA2_NVFP4_HEAD_SIZES = (128, 256)  # fa2 misreads NVFP4 at head 64
 FA2_NVFP4_ARCH_MAJORS = (8, 9, 12)  # SM8x, SM90, SM12x read NVFP4 with fa2 (SM100 uses trtllm-gen)
@@ -196,22 +197,37 @@ def plugin_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata
     return out
 
 
-class Bf16Workspace:
-    """bf16 buffers for one batch's dequantized K and V, grown on demand and reused across layers."""
+class HalfWorkspace:
+    """bf16/fp16 buffers for one batch's dequantized K and V, grown on demand and reused across layers."""
 
     def __init__(self):
         self._buffer: torch.Tensor | None = None
 
-    def get(self, num_tokens: int, num_heads: int, head_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, num_tokens: int, num_heads: int, head_size: int, device,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         numel = num_tokens * num_heads * head_size
-        if self._buffer is None or self._buffer.numel() < 2 * numel or self._buffer.device != torch.device(device):
-            self._buffer = torch.empty(2 * numel, dtype=torch.bfloat16, device=device)
+        if (self._buffer is None or self._buffer.numel() < 2 * numel or self._buffer.device != torch.device(device)
+                or self._buffer.dtype != dtype):
+            self._buffer = torch.empty(2 * numel, dtype=dtype, device=device)
         shape = (num_tokens, num_heads, head_size)
         return self._buffer[:numel].view(shape), self._buffer[numel:2 * numel].view(shape)
 
 
+def dequant_prefill_unavailable_reason(head_size: int, device: torch.device) -> str | None:
+    """Why `DequantPrefill` (FlashInfer fa3, SM90 only) cannot run here, or None if it can."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"device {device} is not CUDA"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return "FlashInfer's fa3 prefill runs on SM90 only"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "flashinfer is not installed"
+    return None
+
+
 class DequantPrefill:
-    """Prefill as dequantize-to-bf16 (the gather op) + FlashInfer fa3 ragged prefill; plans on host lengths."""
+    """Prefill as dequantize-to-bf16/fp16 (the gather op, into a reused workspace) + FlashInfer fa3 ragged prefill;
+    plans on host lengths (once per batch, for every layer)."""
 
     def __init__(self, device: torch.device, workspace_bytes: int = WORKSPACE_BYTES):
         import flashinfer
@@ -219,44 +235,95 @@ class DequantPrefill:
         self.device = torch.device(device)
         self._float_workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._float_workspace, "NHD", backend="fa3")
-        self._kv = Bf16Workspace()
+        self._kv = HalfWorkspace()
         self._cu_seq_lens: torch.Tensor | None = None
         self._num_kv_tokens = 0
 
     def plan(self, query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, num_q_heads: int,
-             num_kv_heads: int, head_size: int, causal: bool, sm_scale: float) -> None:
+             num_kv_heads: int, head_size: int, causal: bool, sm_scale: float,
+             q_dtype: torch.dtype = torch.bfloat16) -> None:
         kv_indptr = torch.zeros(seq_lens_cpu.numel() + 1, dtype=torch.int32)
         kv_indptr[1:] = torch.cumsum(seq_lens_cpu.to(torch.int64), 0)
         self._num_kv_tokens = int(kv_indptr[-1])
         self._num_q_tokens = int(query_start_loc_cpu[-1])
         self._cu_seq_lens = kv_indptr.to(self.device, non_blocking=True)
         self._wrapper.plan(query_start_loc_cpu.to(torch.int32), kv_indptr, num_q_heads, num_kv_heads, head_size,
-                           causal=causal, sm_scale=sm_scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                           causal=causal, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=q_dtype)
         self._heads = (num_kv_heads, head_size)
+        self._dtype = q_dtype
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, k_scale: torch.Tensor,
             v_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self._cu_seq_lens is None:
             raise RuntimeError("DequantPrefill.run called before plan")
-        key, value = self._kv.get(self._num_kv_tokens, *self._heads, self.device)
+        key, value = self._kv.get(self._num_kv_tokens, *self._heads, self.device, self._dtype)
         ops.gather_nvfp4_kv_cache(kv_cache[:, 0], kv_cache[:, 1], block_table, self._cu_seq_lens, k_scale, v_scale,
                                   SWIZZLE_V_SCALES, key, value)
         n = self._num_q_tokens
         return self._wrapper.run(query[:n], key, value, out=out[:n])
 
 
-def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, batch: CudaBatch | NVFP4AttentionMetadata,
+@dataclass
+class KernelBatch:
+    """A batch with prefills: the leading decode requests (query rows below `num_decode_tokens`) through the
+    kernel (`decodes`) or FlashInfer's fa2 (`decoder`, planned), the other requests (block-table rows
+    `prefill_block_table`) through `prefill`, a planned `DequantPrefill`."""
+
+    decodes: NVFP4AttentionMetadata | None
+    num_decode_tokens: int
+    prefill: DequantPrefill
+    prefill_block_table: torch.Tensor
+    decoder: FlashInferNVFP4Decoder | None = None
+
+
+def plan_kernel_batch(metadata: NVFP4AttentionMetadata, query_start_loc_cpu: torch.Tensor,
+                      seq_lens_cpu: torch.Tensor, prefill: DequantPrefill, num_q_heads: int, num_kv_heads: int,
+                      head_size: int, sm_scale: float, q_dtype: torch.dtype = torch.bfloat16,
+                      decoder: FlashInferNVFP4Decoder | None = None, block_size: int = 0) -> KernelBatch:
+    """Split a batch whose decode requests come first (vLLM reorders them so) and plan `prefill` for the rest;
+    the decodes go to the kernel, or to `decoder` (planned here, pages of `block_size` tokens) when given."""
+    query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()
+    num_decodes = 0
+    while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    decodes = None
+    if num_decodes and decoder is not None:
+        decoder.plan(metadata.block_table[:num_decodes], seq_lens_cpu[:num_decodes], num_q_heads, num_kv_heads,
+                     head_size, block_size, q_dtype, sm_scale)
+    elif num_decodes:
+        decodes = NVFP4AttentionMetadata(
+            query_start_loc=metadata.query_start_loc[:num_decodes + 1], seq_lens=metadata.seq_lens[:num_decodes],
+            block_table=metadata.block_table[:num_decodes], slot_mapping=metadata.slot_mapping[:num_decodes],
+            causal=metadata.causal, max_query_len=1, max_seq_len=metadata.max_seq_len)
+    starts = query_start_loc_cpu[num_decodes:metadata.num_reqs + 1]
+    prefill.plan(starts - starts[0], seq_lens_cpu[num_decodes:metadata.num_reqs], num_q_heads, num_kv_heads,
+                 head_size, metadata.causal, sm_scale, q_dtype)
+    return KernelBatch(decodes, num_decodes, prefill, metadata.block_table[num_decodes:metadata.num_reqs],
+                       decoder if num_decodes else None)
+
+
+def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
+                         batch: CudaBatch | KernelBatch | NVFP4AttentionMetadata,
                          scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, k_scale_float: float,
                          v_scale_float: float, out: torch.Tensor,
                          workspace: DequantWorkspace | None = None) -> torch.Tensor:
     """Attention of `query` `[num_tokens, num_heads, head]` over the `[num_blocks, 2, block, heads, full]` cache.
 
-    `batch` is core metadata (the plugin's kernel) or a `CudaBatch` planned for the "fa2" reader. The global
+    `batch` is core metadata (the plugin's kernel for the whole batch), a `KernelBatch` (kernel for the decodes,
+    dequantize + fa3 for the prefills) or a `CudaBatch` planned for the "fa2" reader. The global
     dequant scales come twice: as float32 device tensors for the plugin's ops and as floats for FlashInfer (which
     folds them into its softmax scale and output).
     """
     if isinstance(batch, NVFP4AttentionMetadata):
         return plugin_paged_attention(query, kv_cache, batch, scale, k_scale, v_scale, out)
+    if isinstance(batch, KernelBatch):
+        n = batch.num_decode_tokens
+        if batch.decoder is not None:
+            batch.decoder.run(query[:n], kv_cache[:, 0], kv_cache[:, 1], k_scale_float, v_scale_float, out[:n])
+        elif batch.decodes is not None:
+            plugin_paged_attention(query[:n], kv_cache, batch.decodes, scale, k_scale, v_scale, out[:n])
+        batch.prefill.run(query[n:], kv_cache, batch.prefill_block_table, k_scale, v_scale, out[n:])
+        return out
     n = batch.num_decodes
     if n:
         batch.decoder.run(query[:n], kv_cache[:, 0], kv_cache[:, 1], k_scale_float, v_scale_float, out[:n])

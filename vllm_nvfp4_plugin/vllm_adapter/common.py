@@ -5,18 +5,115 @@ from __future__ import annotations
 import torch
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
-from ..attention import NVFP4AttentionMetadata, check_supported
-from .spec import check_nvfp4_kv_cache_dtype
+from .. import ops as kv_ops
+from ..kv_calibration import KVCalibration, LayerPolicy, load
+from ..attention import NVFP4AttentionMetadata, cache_layout, check_supported, store_kv
+from .spec import NVFP4_4OVER6_KV_CACHE_DTYPE, check_nvfp4_kv_cache_dtype
+
+
+def effective_sliding_window(sliding_window: int | None, max_model_len: int | None) -> int | None:
+    """None when the window covers every sequence the engine admits (no token ever leaves it), else the window."""
+    if sliding_window is None or sliding_window == -1:
+        return None
+    if max_model_len is not None and max_model_len <= sliding_window:
+        return None
+    return sliding_window
+
+
+def current_max_model_len() -> int | None:
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    return config.model_config.max_model_len if config is not None and config.model_config is not None else None
 
 
 def check_nvfp4_layer(kv_cache_dtype: str, attn_type: str, head_size: int, num_heads: int, num_kv_heads: int,
                       *, sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None) -> None:
-    """Raise, at model construction (engine start), naming what an NVFP4-cached layer asks that the core lacks."""
+    """Raise, at model construction (engine start), naming what an NVFP4-cached layer asks that the core lacks.
+    A sliding window at least as long as max_model_len is no window: such layers are served."""
     check_nvfp4_kv_cache_dtype(kv_cache_dtype)
     if attn_type != AttentionType.DECODER:
         raise NotImplementedError(f"NVFP4 KV cache supports decoder attention only, got attn_type={attn_type!r}")
+    sliding_window = effective_sliding_window(sliding_window, current_max_model_len())
     check_supported(head_size, num_heads, num_kv_heads, sliding_window=sliding_window,
                     logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks)
+
+
+def store_nvfp4_kv(kv_cache_dtype: str, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                   swizzle_v_scales: bool = False) -> None:
+    """The core's store for `kv_cache_dtype`: "nvfp4_4over6" differs from "nvfp4" in the store op only."""
+    if kv_cache_dtype != NVFP4_4OVER6_KV_CACHE_DTYPE:
+        store_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale, swizzle_v_scales)
+        return
+    cache_layout(kv_cache, swizzle_v_scales)  # raises naming the rule a malformed cache breaks
+    kv_ops.reshape_and_cache_nvfp4_4over6(key, value, kv_cache[:, 0], kv_cache[:, 1], slot_mapping, k_scale, v_scale,
+                                          swizzle_v_scales)
+
+
+# The plugin's options in vLLM's `additional_config` (`--additional-config '{"vllm_nvfp4_plugin": {...}}'`).
+ADDITIONAL_CONFIG_KEY = "vllm_nvfp4_plugin"
+KV_CALIBRATION_OPTION = "kv_calibration"
+_CALIBRATIONS: dict[str, KVCalibration] = {}
+
+
+def engine_kv_calibration() -> KVCalibration | None:
+    """The per-layer policy file named by the engine's additional_config, loaded once per process and checked
+    against the model; None when none is named. Raises naming the file at engine start when it does not fit."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    options = (config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) if config is not None else None
+    path = (options or {}).get(KV_CALIBRATION_OPTION)
+    if path is None:
+        return None
+    if path not in _CALIBRATIONS:
+        calibration = load(path)
+        model = config.model_config
+        calibration.check_model(model.get_total_num_hidden_layers(), model.get_total_num_kv_heads(),
+                                model.get_head_size(), str(path))
+        if config.parallel_config.tensor_parallel_size != 1:
+            raise NotImplementedError(f"{path}: a KV calibration is applied with tensor_parallel_size 1 only, got "
+                                      f"{config.parallel_config.tensor_parallel_size}")
+        _CALIBRATIONS[path] = calibration
+    return _CALIBRATIONS[path]
+
+
+class LayerKVPolicy:
+    """One layer's store rule and key smoothing, with the smoothing factors kept on the activations' device."""
+
+    def __init__(self, policy: LayerPolicy, num_heads: int):
+        self.mode = policy.mode
+        self.key_scales = policy.key_scales
+        self._group = num_heads // policy.key_scales.shape[0] if policy.key_scales is not None else 1
+        self._factors: dict = {}
+
+    @classmethod
+    def for_layer(cls, calibration: KVCalibration | None, kv_cache_dtype: str, layer_name: str,
+                  num_heads: int) -> "LayerKVPolicy":
+        if calibration is None:
+            return cls(LayerPolicy(kv_cache_dtype, None), num_heads)
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return cls(calibration.layers[extract_layer_index(layer_name)], num_heads)
+
+    def _factor(self, kind: str, like: torch.Tensor) -> torch.Tensor:
+        key = (kind, like.device, like.dtype)
+        if key not in self._factors:
+            scales = self.key_scales if kind == "query" else 1.0 / self.key_scales  # powers of two: exact
+            if kind == "query":
+                scales = scales.repeat_interleave(self._group, 0)
+            self._factors[key] = scales.to(like.device, like.dtype)
+        return self._factors[key]
+
+    def store(self, key, value, kv_cache, slot_mapping, k_scale, v_scale, swizzle_v_scales: bool = False) -> None:
+        if self.key_scales is not None:
+            key = key[:slot_mapping.shape[0]] * self._factor("key", key)
+        store_nvfp4_kv(self.mode, key, value, kv_cache, slot_mapping, k_scale, v_scale, swizzle_v_scales)
+
+    def query(self, query: torch.Tensor) -> torch.Tensor:
+        """`query` `[tokens, heads, head]` for the smoothed keys: multiplied by their scales."""
+        return query if self.key_scales is None else query * self._factor("query", query)
 
 
 def core_metadata(common: CommonAttentionMetadata) -> NVFP4AttentionMetadata:

@@ -1,7 +1,7 @@
 """vLLM's CPU attention backend, extended with the NVFP4 KV cache.
 
 Registered in place of `CPU_ATTN` (the only backend vLLM's CPU platform selects). With
-`kv_cache_dtype="nvfp4"` the spec, metadata, store and attention are the plugin's; with any other
+`kv_cache_dtype="nvfp4"` (or "nvfp4_4over6") the spec, metadata, store and attention are the plugin's; with any other
 dtype every call goes to vLLM's own CPU backend unchanged.
 """
 
@@ -16,9 +16,9 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from ..attention import DequantWorkspace, NVFP4AttentionMetadata, paged_attention, store_kv
-from .spec import customize_nvfp4_spec, page_view
-from .common import check_nvfp4_layer, core_metadata
+from ..attention import DequantWorkspace, NVFP4AttentionMetadata, paged_attention
+from .common import LayerKVPolicy, check_nvfp4_layer, core_metadata, engine_kv_calibration
+from .spec import NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
 
 logger = init_logger("vllm.nvfp4_plugin.cpu")
 
@@ -26,15 +26,25 @@ logger = init_logger("vllm.nvfp4_plugin.cpu")
 _WORKSPACE = DequantWorkspace()
 
 
+class KeyValueObserver:
+    """Process-wide hooks, set by the calibration tool with the engine in its own process: `observe(layer_name, key,
+    value)` sees every layer's keys and values as the cache receives them (after RoPE), `observe_query(layer_name,
+    query)` its queries, whatever the cache dtype."""
+
+    observe = None
+    observe_query = None
+
+
 def _is_nvfp4(kv_cache_dtype: str) -> bool:
     return kv_cache_dtype.startswith("nvfp4")
 
 
 class NVFP4CPUAttentionBackend(CPUAttentionBackend):
-    """`CPU_ATTN` plus "nvfp4". The KV-cache layout stays the parent's head-major LBHNC (HND) for every
+    """`CPU_ATTN` plus "nvfp4" and "nvfp4_4over6". The KV-cache layout stays the parent's head-major LBHNC (HND) for every
     dtype: the choice is per class, not per dtype, and the parent's kernels read only that one."""
 
-    supported_kv_cache_dtypes: ClassVar[list] = [*CPUAttentionBackend.supported_kv_cache_dtypes, "nvfp4"]
+    supported_kv_cache_dtypes: ClassVar[list] = [*CPUAttentionBackend.supported_kv_cache_dtypes,
+                                                     *NVFP4_KV_CACHE_DTYPES]
 
     @classmethod
     def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
@@ -82,18 +92,32 @@ class NVFP4CPUAttentionImpl(CPUAttentionBackendImpl):
         check_nvfp4_layer(self.kv_cache_dtype, self.attn_type, self.head_size, self.num_heads, self.num_kv_heads,
                           sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
                           alibi_slopes=self.alibi_slopes, sinks=self.sinks)
+        self.calibration = engine_kv_calibration()  # raises here, at engine start, on a file that does not fit
+        self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
         logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CPU (head size %d, %d query / %d KV heads)",
                          self.head_size, self.num_heads, self.num_kv_heads)
 
+    def _layer_policy(self, layer: torch.nn.Module) -> LayerKVPolicy:
+        if self.policy is None:
+            self.policy = LayerKVPolicy.for_layer(self.calibration, self.kv_cache_dtype, layer.layer_name,
+                                                  self.num_heads)
+        return self.policy
+
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if KeyValueObserver.observe is not None:
+            KeyValueObserver.observe(layer.layer_name, key[:slot_mapping.shape[0]], value[:slot_mapping.shape[0]])
         if not self.nvfp4:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        store_kv(key, value, page_view(kv_cache, self.num_kv_heads), slot_mapping, layer._k_scale, layer._v_scale)
+        self._layer_policy(layer).store(key, value, page_view(kv_cache, self.num_kv_heads), slot_mapping,
+                                        layer._k_scale, layer._v_scale)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: NVFP4AttentionMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None):
+        if KeyValueObserver.observe_query is not None and attn_metadata is not None:
+            tokens = attn_metadata.num_query_tokens if self.nvfp4 else attn_metadata.num_actual_tokens
+            KeyValueObserver.observe_query(layer.layer_name, query[:tokens])
         if not self.nvfp4:
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
@@ -101,6 +125,6 @@ class NVFP4CPUAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("NVFP4 KV cache attention on CPU does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output
-        paged_attention(query, page_view(kv_cache, self.num_kv_heads), attn_metadata, self.scale,
-                        layer._k_scale, layer._v_scale, output.view(query.shape), workspace=_WORKSPACE)
+        paged_attention(self._layer_policy(layer).query(query), page_view(kv_cache, self.num_kv_heads), attn_metadata,
+                        self.scale, layer._k_scale, layer._v_scale, output.view(query.shape), workspace=_WORKSPACE)
         return output

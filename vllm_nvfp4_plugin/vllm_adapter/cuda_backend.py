@@ -1,14 +1,19 @@
 """The plugin's CUDA attention backend: vLLM's `CUSTOM` slot (`--attention-backend CUSTOM`), NVFP4 KV cache only.
 
 Thin over the vLLM-independent CUDA path (`attention.flashinfer_reader`): the builder turns vLLM's batch into
-core metadata; the impl stores with the plugin's op and attends. The reader is chosen by the environment variable
-`VLLM_NVFP4_CUDA_READER`:
+core metadata; the impl stores with the plugin's op and attends. The decode reader is chosen by the environment
+variable `VLLM_NVFP4_CUDA_READER` (`resolved_reader`):
 
-- "plugin" (default): the plugin's `nvfp4_paged_attention` kernel for the whole batch. It needs no host sync and
-  plans its launch from vLLM's host-side length bounds, so the builder declares CUDA-graph support for uniform
-  single-token decode batches (FULL graphs); prefill batches run eagerly through the same kernel.
-- "fa2": FlashInfer's fa2 decode for the leading decode requests and the core for the rest (no CUDA graphs: the
-  plan reads lengths on the host).
+- "auto" (default): "fa2" where FlashInfer's fa2 can read this head size on this GPU, else "plugin". On the H200
+  fa2 decodes faster than the plugin's kernel (benchmarks/results/cuda_attention.md).
+- "plugin": the plugin's `nvfp4_paged_attention` kernel. It needs no host sync and plans its launch from vLLM's
+  host-side length bounds, so the builder declares CUDA-graph support for uniform single-token decode batches
+  (FULL graphs).
+- "fa2": FlashInfer's fa2 decode for the leading decode requests (no CUDA graphs: its plan reads lengths on the
+  host).
+
+Batches with prefills (eager) send their prefills to `DequantPrefill` (pages dequantized to bf16, FlashInfer fa3,
+about bf16 speed) where it runs (SM90 with FlashInfer); else to the kernel ("plugin") or the attention core.
 
 V scales are stored linear, the order every reader reads.
 """
@@ -28,12 +33,14 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        MultipleOf)
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from ..attention import SUPPORTED_HEAD_SIZES, DequantWorkspace, store_kv
+from ..attention import SUPPORTED_HEAD_SIZES, DequantWorkspace
 from ..attention import NVFP4AttentionMetadata
-from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaBatch, FlashInferNVFP4Decoder,
-                                           cuda_paged_attention, flashinfer_decode_unavailable_reason, plan_batch)
-from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPE, customize_nvfp4_spec, page_view
-from .common import check_nvfp4_layer, core_metadata
+from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaBatch, DequantPrefill,
+                                           FlashInferNVFP4Decoder, KernelBatch, cuda_paged_attention,
+                                           dequant_prefill_unavailable_reason, flashinfer_decode_unavailable_reason,
+                                           plan_batch, plan_kernel_batch)
+from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
+from .common import LayerKVPolicy, check_nvfp4_layer, core_metadata, engine_kv_calibration
 
 logger = init_logger("vllm.nvfp4_plugin.cuda")
 
@@ -44,24 +51,29 @@ _WORKSPACE = DequantWorkspace()
 READER_ENV = "VLLM_NVFP4_CUDA_READER"
 
 
-def selected_reader() -> str:
-    """The reader `VLLM_NVFP4_CUDA_READER` names (default "plugin"); raises naming the allowed values."""
-    reader = os.environ.get(READER_ENV, "plugin")
+def resolved_reader(head_size: int, device: torch.device) -> str:
+    """The decode reader `VLLM_NVFP4_CUDA_READER` selects ("auto" by default) for this head size on this device:
+    "plugin", "fa2" or, off CUDA, "core"; raises naming the allowed values."""
+    reader = os.environ.get(READER_ENV, "auto")
     if reader not in CUDA_READERS:
         raise ValueError(f"{READER_ENV} must be one of {CUDA_READERS}, got {reader!r}")
+    if torch.device(device).type != "cuda":
+        return "core"
+    if reader == "auto":
+        return "fa2" if flashinfer_decode_unavailable_reason(head_size, device) is None else "plugin"
     return reader
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    if kv_cache_dtype != NVFP4_KV_CACHE_DTYPE:
-        raise ValueError(f"the vllm_nvfp4_plugin CUSTOM backend serves kv_cache_dtype={NVFP4_KV_CACHE_DTYPE!r} "
+    if kv_cache_dtype not in NVFP4_KV_CACHE_DTYPES:
+        raise ValueError(f"the vllm_nvfp4_plugin CUSTOM backend serves kv_cache_dtype in {NVFP4_KV_CACHE_DTYPES} "
                          f"only, got {kv_cache_dtype!r}: pass --kv-cache-dtype nvfp4 or pick another backend")
 
 
 class NVFP4CudaBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = False
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
-    supported_kv_cache_dtypes: ClassVar[list] = [NVFP4_KV_CACHE_DTYPE]
+    supported_kv_cache_dtypes: ClassVar[list] = list(NVFP4_KV_CACHE_DTYPES)
 
     @staticmethod
     def get_name() -> str:
@@ -94,8 +106,8 @@ class NVFP4CudaBackend(AttentionBackend):
     @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> str | None:
-        if kv_cache_dtype != NVFP4_KV_CACHE_DTYPE:
-            return f"the CUSTOM (vllm_nvfp4_plugin) backend needs kv_cache_dtype='nvfp4', got {kv_cache_dtype!r}"
+        if kv_cache_dtype not in NVFP4_KV_CACHE_DTYPES:
+            return f"the CUSTOM (vllm_nvfp4_plugin) backend needs kv_cache_dtype in {NVFP4_KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
         return None
 
     @classmethod
@@ -115,10 +127,10 @@ def shared_decode_params(vllm_config: VllmConfig, layer_names: list[str]) -> tup
     return params.pop()
 
 
-class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | NVFP4AttentionMetadata]):
-    """Core metadata for every batch. On a CUDA device with the "plugin" reader that is all the kernel needs;
-    with "fa2" it also plans FlashInfer's decode for the batch's leading decode requests when fa2 can read this
-    head size on this device. Elsewhere (a CPU device) the core serves every request."""
+class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch | NVFP4AttentionMetadata]):
+    """Core metadata for every batch, planned for the resolved reader: the plugin's kernel needs nothing more;
+    fa2 is planned for the batch's leading decode requests; prefills are planned for `DequantPrefill` where it
+    runs. Off CUDA (or when fa2 cannot read the head size and "fa2" was asked for) the core serves every request."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):
@@ -126,48 +138,65 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | NVFP4Attenti
         if not kv_cache_spec.kv_quant_mode.is_nvfp4:
             raise ValueError(f"the vllm_nvfp4_plugin CUSTOM backend serves NVFP4 KV caches only, got a "
                              f"{kv_cache_spec.kv_quant_mode} spec for layers {layer_names}")
-        self._init_reorder_batch_threshold(1)  # decodes first: FlashInfer takes the leading run
-        self._plugin_kernel = selected_reader() == "plugin" and torch.device(device).type == "cuda"
+        self._init_reorder_batch_threshold(1)  # decodes first: the decode reader takes the leading run
+        self._reader = resolved_reader(kv_cache_spec.head_size, device)
         self._decoder: FlashInferNVFP4Decoder | None = None
         self._decode_params: tuple[int, torch.dtype, float] | None = None
-        if self._plugin_kernel:
-            logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the plugin's CUDA kernel")
+        self._prefill: DequantPrefill | None = None
+        if self._reader == "core":
+            logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the core (device %s)", device)
             return
-        reason = flashinfer_decode_unavailable_reason(kv_cache_spec.head_size, device)
-        if reason is None:
+        fa2_reason = flashinfer_decode_unavailable_reason(kv_cache_spec.head_size, device)
+        prefill_reason = dequant_prefill_unavailable_reason(kv_cache_spec.head_size, device)
+        needs_params = (self._reader == "fa2" and fa2_reason is None) or prefill_reason is None
+        if needs_params:  # FlashInfer plans once per batch for all the group's layers
             self._decode_params = shared_decode_params(vllm_config, layer_names)
-        if self._decode_params is not None:
-            logger.info_once("vllm_nvfp4_plugin: NVFP4 decode through FlashInfer fa2, prefill through the core")
-        elif reason is not None:
-            logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the core only (%s)", reason)
+        if self._decode_params is not None and prefill_reason is None:
+            self._prefill = DequantPrefill(device)
+        if self._reader == "fa2" and (fa2_reason is not None or self._decode_params is None):
+            self._reader = "core"
+        logger.info_once("vllm_nvfp4_plugin: NVFP4 decode through %s, prefill through %s",
+                         {"plugin": "the plugin's CUDA kernel", "fa2": "FlashInfer fa2", "core": "the core"}[self._reader],
+                         "dequantize + FlashInfer fa3" if self._prefill is not None else
+                         ("the plugin's CUDA kernel" if self._reader == "plugin" else "the core"))
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: AttentionSpec) -> AttentionCGSupport:
         # The kernel's launch depends only on host-side bounds; the fa2 plan and the core read lengths on the host.
-        if selected_reader() == "plugin":
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        if resolved_reader(kv_cache_spec.head_size, device) == "plugin":
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
 
+    def _seq_lens_cpu(self, common: CommonAttentionMetadata) -> torch.Tensor:
+        upper_bound = common.seq_lens_cpu_upper_bound
+        exact_upper_bound = upper_bound is not None and self.vllm_config.speculative_config is None
+        return upper_bound if exact_upper_bound else common.seq_lens.cpu()
+
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
-              fast_build: bool = False) -> CudaBatch | NVFP4AttentionMetadata:
+              fast_build: bool = False) -> CudaBatch | KernelBatch | NVFP4AttentionMetadata:
         metadata = core_metadata(common_attn_metadata)
-        if self._plugin_kernel:
-            return metadata
-        if self._decode_params is None:
+        if self._reader == "core":
             return CudaBatch(0, None, metadata)
-        if self._decoder is None:  # the layout is resolved by the first build
+        if self._reader == "fa2" and self._decoder is None:  # the layout is resolved by the first build
             layout = self.vllm_config.cache_config.get_resolved_kv_cache_layout()
             self._decoder = FlashInferNVFP4Decoder(self.device, hnd=layout in HND_LAYOUTS)
-        upper_bound = common_attn_metadata.seq_lens_cpu_upper_bound
-        exact_upper_bound = upper_bound is not None and self.vllm_config.speculative_config is None
-        seq_lens_cpu = upper_bound if exact_upper_bound else common_attn_metadata.seq_lens.cpu()
-        num_q_heads, q_dtype, sm_scale = self._decode_params
         spec = self.kv_cache_spec
-        return plan_batch(metadata, common_attn_metadata.query_start_loc_cpu, seq_lens_cpu, self._decoder,
-                          num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size, q_dtype, sm_scale)
+        if self._prefill is not None and common_attn_metadata.max_query_len > 1:
+            num_q_heads, q_dtype, sm_scale = self._decode_params
+            return plan_kernel_batch(metadata, common_attn_metadata.query_start_loc_cpu,
+                                     self._seq_lens_cpu(common_attn_metadata), self._prefill, num_q_heads,
+                                     spec.num_kv_heads, spec.head_size, sm_scale, q_dtype, self._decoder,
+                                     spec.block_size)
+        if self._reader == "plugin":
+            return metadata
+        num_q_heads, q_dtype, sm_scale = self._decode_params
+        return plan_batch(metadata, common_attn_metadata.query_start_loc_cpu, self._seq_lens_cpu(common_attn_metadata),
+                          self._decoder, num_q_heads, spec.num_kv_heads, spec.head_size, spec.block_size, q_dtype,
+                          sm_scale)
 
 
-class NVFP4CudaImpl(AttentionImpl[CudaBatch | NVFP4AttentionMetadata]):
+class NVFP4CudaImpl(AttentionImpl[CudaBatch | KernelBatch | NVFP4AttentionMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
@@ -185,25 +214,34 @@ class NVFP4CudaImpl(AttentionImpl[CudaBatch | NVFP4AttentionMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.calibration = engine_kv_calibration()  # raises here, at engine start, on a file that does not fit
+        self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
         logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CUDA (head size %d, %d query / %d KV heads)",
                          head_size, num_heads, num_kv_heads)
+
+    def _layer_policy(self, layer: torch.nn.Module) -> LayerKVPolicy:
+        if self.policy is None:
+            self.policy = LayerKVPolicy.for_layer(self.calibration, self.kv_cache_dtype, layer.layer_name,
+                                                  self.num_heads)
+        return self.policy
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.kv_sharing_target_layer_name is not None:  # the target layer stores the shared cache
             return
-        store_kv(key, value, page_view(kv_cache, self.num_kv_heads), slot_mapping, layer._k_scale, layer._v_scale,
-                 SWIZZLE_V_SCALES)
+        self._layer_policy(layer).store(key, value, page_view(kv_cache, self.num_kv_heads), slot_mapping,
+                                        layer._k_scale, layer._v_scale, SWIZZLE_V_SCALES)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                kv_cache: torch.Tensor, attn_metadata: CudaBatch | NVFP4AttentionMetadata | None, output: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: CudaBatch | KernelBatch | NVFP4AttentionMetadata | None,
+                output: torch.Tensor,
                 output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("the vllm_nvfp4_plugin CUSTOM backend does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output
-        cuda_paged_attention(query, page_view(kv_cache, self.num_kv_heads), attn_metadata, self.scale,
-                             layer._k_scale, layer._v_scale, layer._k_scale_float, layer._v_scale_float,
-                             output.view(query.shape), workspace=_WORKSPACE)
+        cuda_paged_attention(self._layer_policy(layer).query(query), page_view(kv_cache, self.num_kv_heads),
+                             attn_metadata, self.scale, layer._k_scale, layer._v_scale, layer._k_scale_float,
+                             layer._v_scale_float, output.view(query.shape), workspace=_WORKSPACE)
         return output

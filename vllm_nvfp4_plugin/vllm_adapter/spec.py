@@ -18,16 +18,19 @@ from ..attention.core import SUPPORTED_HEAD_SIZES
 from ..layout import NVFP4PageLayout
 
 NVFP4_KV_CACHE_DTYPE = "nvfp4"
+# vLLM's NVFP4 variant whose groups take the max/6 or the max/4 block scale: same page, same read path.
+NVFP4_4OVER6_KV_CACHE_DTYPE = "nvfp4_4over6"
+NVFP4_KV_CACHE_DTYPES = (NVFP4_KV_CACHE_DTYPE, NVFP4_4OVER6_KV_CACHE_DTYPE)
 # Layouts in which each block's [H, N, C] bytes are one run: head-major (HND) or token-major (NHD) interiors.
 HND_LAYOUTS = (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)
 NHD_LAYOUTS = (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
 
 
 def check_nvfp4_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    """The plugin serves vLLM's "nvfp4" (plain round-to-nearest); its other NVFP4 variants are refused."""
-    if kv_cache_dtype.startswith("nvfp4") and kv_cache_dtype != NVFP4_KV_CACHE_DTYPE:
+    """The plugin serves vLLM's "nvfp4" and "nvfp4_4over6"; other NVFP4 variants are refused."""
+    if kv_cache_dtype.startswith("nvfp4") and kv_cache_dtype not in NVFP4_KV_CACHE_DTYPES:
         raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by vllm_nvfp4_plugin; "
-                                  f"use {NVFP4_KV_CACHE_DTYPE!r}")
+                                  f"use one of {NVFP4_KV_CACHE_DTYPES}")
 
 
 def customize_nvfp4_spec(spec: AttentionSpec) -> AttentionSpec:

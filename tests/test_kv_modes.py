@@ -1,0 +1,104 @@
+"""The NVFP4-family KV modes beyond plain NVFP4: `nvfp4_4over6` stores, bit for bit against the reference.
+
+Plain NVFP4 must not move when a mode is added: its cache bytes are pinned to digests recorded from the ops and the
+reference as they were before `nvfp4_4over6` existed.
+"""
+
+import hashlib
+
+import pytest
+import torch
+
+from op_cases import FLOAT_DTYPES, NVFP4Case, nvfp4_store_inputs
+from vllm_nvfp4_plugin import ops, reference
+from vllm_nvfp4_plugin.layout import NVFP4_GROUP
+
+
+def store(case: NVFP4Case, device, op, ref_op):
+    args, expected = nvfp4_store_inputs(case, device), nvfp4_store_inputs(case, "cpu")
+    buffer, expected_buffer = args.pop("buffer"), expected.pop("buffer")
+    op(**args)
+    ref_op(**expected)
+    return buffer.cpu(), expected_buffer
+
+
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+@pytest.mark.parametrize("swizzle", [False, True], ids=["linear", "swizzled"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_4over6_store_matches_reference(device, hnd, swizzle, dtype, head_size):
+    seed = head_size + 7 * hnd + 13 * swizzle + 31 * FLOAT_DTYPES.index(dtype)
+    case = NVFP4Case(head_size=head_size, num_heads=1 + seed % 4, block_size=16 if seed % 2 else 32, num_blocks=5,
+                     num_tokens=60, dtype=dtype, hnd=hnd, swizzle_v_scales=swizzle, row_pad=16 * (seed % 3),
+                     block_pad=seed % 2 * 40, seed=seed)
+    buffer, expected = store(case, device, ops.reshape_and_cache_nvfp4_4over6,
+                             reference.reshape_and_cache_nvfp4_4over6)
+    assert torch.equal(buffer, expected)
+
+
+@pytest.mark.gpu
+def test_4over6_large_store_matches_reference():
+    num_tokens = 20_000
+    case = NVFP4Case(head_size=128, num_heads=8, block_size=16, num_blocks=num_tokens // 16 + 8,
+                     num_tokens=num_tokens, hnd=True, swizzle_v_scales=True, row_pad=16, seed=5)
+    buffer, expected = store(case, "cuda", ops.reshape_and_cache_nvfp4_4over6,
+                             reference.reshape_and_cache_nvfp4_4over6)
+    assert torch.equal(buffer, expected)
+
+
+def test_4over6_errs_no_more_than_nvfp4_per_group():
+    x = torch.randn(4096, 128) * torch.rand(4096, 1) * 10
+    x[::7, :16] *= 30  # outlier groups
+    errors = {}
+    for four_over_six in (False, True):
+        packed, sf = reference.nvfp4_encode(x, 0.5, four_over_six)
+        decoded = reference.nvfp4_decode(packed, sf, 0.5)
+        errors[four_over_six] = (decoded - x).square().unflatten(-1, (-1, NVFP4_GROUP)).sum(-1)
+    assert (errors[True] <= errors[False]).all()
+    assert (errors[True] < errors[False]).float().mean() > 0.2  # max/4 wins on a good share of Gaussian groups
+
+
+def test_4over6_takes_max_over_4_where_it_is_exact():
+    # 4 · {1, 0.75, 0.5, ...}: on the max/4 grid every value is a code; on the max/6 grid 0.75·max = 4.5 is not.
+    x = torch.tensor([4.0, 3.0, 2.0, 1.0] * 4).reshape(1, 16)
+    packed, sf = reference.nvfp4_encode(x, 1.0, four_over_six=True)
+    assert torch.equal(reference.nvfp4_decode(packed, sf, 1.0), x)
+    assert sf.float().item() == 1.0  # 4 / 4
+
+
+# Digests of plain NVFP4 cache buffers, recorded from the ops and the reference before nvfp4_4over6 was added.
+PLAIN_NVFP4_DIGESTS = {
+    (False, False, torch.bfloat16): "70987b1aca31f746abca5ed567fe92429532caa2e0030c7319977d780626f57f",
+    (True, True, torch.float16): "288ac638cd227a8206408d71329bdca41e3f37242b53e56938cdbcae67d610cb",
+    (False, True, torch.float32): "b7c673c489f48de5f4e9bcb6ffd012dc684ffe5a276d8278a1397391b1fa7d69",
+}
+
+
+@pytest.mark.parametrize("hnd,swizzle,dtype", list(PLAIN_NVFP4_DIGESTS), ids=str)
+def test_plain_nvfp4_bytes_unchanged(device, hnd, swizzle, dtype):
+    case = NVFP4Case(head_size=128, num_heads=2, num_tokens=60, dtype=dtype, hnd=hnd, swizzle_v_scales=swizzle,
+                     seed=11)
+    buffer, expected = store(case, device, ops.reshape_and_cache_nvfp4, reference.reshape_and_cache_nvfp4)
+    digest = PLAIN_NVFP4_DIGESTS[(hnd, swizzle, dtype)]
+    assert hashlib.sha256(buffer.numpy().tobytes()).hexdigest() == digest
+    assert hashlib.sha256(expected.numpy().tobytes()).hexdigest() == digest
+
+
+def test_4over6_store_names_itself_in_errors():
+    case = NVFP4Case(num_tokens=4)
+    args = nvfp4_store_inputs(case, "cpu")
+    args.pop("buffer")
+    args["k_scale"] = args["k_scale"].double()
+    with pytest.raises(RuntimeError, match="reshape_and_cache_nvfp4_4over6: k_scale"):
+        ops.reshape_and_cache_nvfp4_4over6(**args)
+
+
+@pytest.mark.vllm
+def test_a_sliding_window_that_covers_max_model_len_is_no_window():
+    from vllm_nvfp4_plugin.vllm_adapter.common import effective_sliding_window
+
+    assert effective_sliding_window(512, 512) is None  # Gemma 3's local layers at max_model_len 512
+    assert effective_sliding_window(512, 256) is None
+    assert effective_sliding_window(512, 1024) == 512  # tokens leave the window: still refused by the core
+    assert effective_sliding_window(512, None) == 512
+    assert effective_sliding_window(None, 1024) is None and effective_sliding_window(-1, 1024) is None
