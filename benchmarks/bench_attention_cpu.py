@@ -130,7 +130,7 @@ def main() -> None:
                     contenders[name] = (run, nbytes)
             contenders["memcpy"] = memcpy_case(contenders["bf16"][1] if "bf16" in contenders else 1 << 28)
             timings = {name: [] for name in contenders}
-            for name, (run, _) in contenders.items():
+            for run, _ in contenders.values():
                 run()  # warm-up
             for _ in range(args.repeats):
                 for name, (run, _) in contenders.items():

@@ -79,8 +79,8 @@ struct Unit {
   int64_t row0, rows;  // query rows [row0, row0 + rows) of the batch
   int64_t pos0;        // the context position of row0
   int64_t seq_len;
-  int64_t key_end;     // keys [0, key_end) are seen by some row
-  int64_t partials;    // offset of the unit's per-split partials, or -1: one task merges as it goes
+  int64_t key_end;   // keys [0, key_end) are seen by some row
+  int64_t partials;  // offset of the unit's per-split partials, or -1: one task merges as it goes
 
   int64_t splits() const { return (key_end + SPLIT - 1) / SPLIT; }
   // Keys [0, visible_end(i)) are seen by row row0 + i.
@@ -110,9 +110,14 @@ struct Scratch {
   State split, total;
 
   Scratch(int64_t pairs, int64_t head_size)
-      : head_size(head_size), q(new float[pairs * head_size]), keys(new float[head_size * TILE]),
-        values(new float[TILE * head_size]), probs(new float[pairs * TILE]), alpha(new float[pairs]),
-        split(pairs, head_size), total(pairs, head_size) {}
+      : head_size(head_size),
+        q(new float[pairs * head_size]),
+        keys(new float[head_size * TILE]),
+        values(new float[TILE * head_size]),
+        probs(new float[pairs * TILE]),
+        alpha(new float[pairs]),
+        split(pairs, head_size),
+        total(pairs, head_size) {}
 };
 
 // --- vector helpers -------------------------------------------------------------------------------------
@@ -178,7 +183,7 @@ NVFP4_INLINE f32x16 e2m1_values(u32x16 codes) {
   } else {
     const u32x16 m = codes & 7u;
     const u32x16 normal = ((126u + (m >> 1)) << 23) | ((m & 1u) << 22);  // 2^((m >> 1) - 1) · (1 + (m & 1) / 2)
-    const u32x16 small = m * 0x3F000000u;                                 // codes 0 and 1: 0 and 0.5
+    const u32x16 small = m * 0x3F000000u;                                // codes 0 and 1: 0 and 0.5
     return simd::as_f32(simd::select(simd::greater_mask(simd::i32x16{} + 2, simd::as_i32(m)), small, normal) |
                         ((codes & 8u) << 28));
   }
@@ -289,8 +294,11 @@ struct TileCursor {
   int64_t kv_head, page, offset;
 
   TileCursor(const Batch& b, const Unit& u, int64_t key)
-      : b(b), pages(b.block_table + u.request * b.table_stride), kv_head(u.kv_head),
-        page(key / b.layout.block_size), offset(key % b.layout.block_size) {}
+      : b(b),
+        pages(b.block_table + u.request * b.table_stride),
+        kv_head(u.kv_head),
+        page(key / b.layout.block_size),
+        offset(key % b.layout.block_size) {}
 
   // Locates the next n keys and asks the memory system for their bytes.
   void next(int n, TileTokens& t) {
@@ -344,16 +352,14 @@ NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys, f32x16 (&scales)
     }
     transpose_words(words);
     for (int w = w0; w < std::min(w0 + 16, WORDS); ++w)
-      for (int e = 0; e < 8; ++e)
-        store(e2m1_values<I>(words[w - w0] >> (4 * e)), keys + (8 * w + e) * TILE);
+      for (int e = 0; e < 8; ++e) store(e2m1_values<I>(words[w - w0] >> (4 * e)), keys + (8 * w + e) * TILE);
   }
 }
 
 // Scores of pairs [first, last) for the tile's 16 keys: Σ_s SF_s · Σ_{d in group s} q[d] · e2m1[d] (exact
 // values, the block scale applied once a group), one multiply-add chain per pair, four pairs at a time.
 template <Isa I, int D, int COUNT>
-NVFP4_INLINE void pair_scores(const float* q, const float* keys, const f32x16 (&scales)[D / NVFP4_GROUP],
-                              float* out) {
+NVFP4_INLINE void pair_scores(const float* q, const float* keys, const f32x16 (&scales)[D / NVFP4_GROUP], float* out) {
   using F = Fma<I>;
   f32x16 score[COUNT] = {};
   for (int s = 0; s < D / NVFP4_GROUP; ++s) {
@@ -368,8 +374,8 @@ NVFP4_INLINE void pair_scores(const float* q, const float* keys, const f32x16 (&
 }
 
 template <Isa I, int D>
-NVFP4_INLINE void tile_scores(const float* q, const float* keys, const f32x16 (&scales)[D / NVFP4_GROUP],
-                              int64_t first, int64_t last, float* out) {
+NVFP4_INLINE void tile_scores(const float* q, const float* keys, const f32x16 (&scales)[D / NVFP4_GROUP], int64_t first,
+                              int64_t last, float* out) {
   int64_t p = first;
   for (; p + 4 <= last; p += 4) pair_scores<I, D, 4>(q + p * D, keys, scales, out + p * TILE);
   for (; p < last; ++p) pair_scores<I, D, 1>(q + p * D, keys, scales, out + p * TILE);
@@ -393,8 +399,7 @@ NVFP4_INLINE void decode_value_pair(const TileTokens& t, int j, int c, f32x16& e
     even = __builtin_shuffle(first_values, second_values, (codes & 0xFu) | second_group);
     odd = __builtin_shuffle(first_values, second_values, (codes >> 4) | second_group);
   } else {
-    const f32x16 sf =
-        __builtin_shufflevector(first, second, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    const f32x16 sf = __builtin_shufflevector(first, second, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
     even = e2m1_values<I>(codes) * sf;
     odd = e2m1_values<I>(codes >> 4) * sf;
   }
@@ -445,8 +450,8 @@ NVFP4_INLINE void pair_values(const TileTokens& t, const float* probs, const flo
 }
 
 template <Isa I, int D>
-NVFP4_INLINE void tile_values(const TileTokens& t, const float* probs, const float* alpha, int64_t first,
-                              int64_t last, float* values, float* sums) {
+NVFP4_INLINE void tile_values(const TileTokens& t, const float* probs, const float* alpha, int64_t first, int64_t last,
+                              float* values, float* sums) {
   if (last - first <= 8) {
     int64_t p = first;
     for (; p + 4 <= last; p += 4) pair_values<I, D, 4>(t, probs + p * TILE, alpha + p, sums + p * D);
@@ -484,7 +489,8 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
   cursor.next(static_cast<int>(std::min<int64_t>(TILE, key_end - key_begin)), tiles[0]);
   for (int64_t key0 = key_begin, i = 0; key0 < key_end; key0 += TILE, i ^= 1) {
     const TileTokens& tokens = tiles[i];
-    if (key0 + TILE < key_end) cursor.next(static_cast<int>(std::min<int64_t>(TILE, key_end - key0 - TILE)), tiles[i ^ 1]);
+    if (key0 + TILE < key_end)
+      cursor.next(static_cast<int>(std::min<int64_t>(TILE, key_end - key0 - TILE)), tiles[i ^ 1]);
     f32x16 key_scales[D / NVFP4_GROUP];
     decode_keys<I, D>(tokens, scratch.keys.get(), key_scales);
     const int64_t first = u.first_row_seeing(b, key0) * group;
@@ -541,9 +547,12 @@ AttendSplit attend_split_for_cpu() {
 
 AttendSplit attend_split_for(int64_t head_size) {
   switch (head_size) {
-    case 64: return attend_split_for_cpu<64>();
-    case 128: return attend_split_for_cpu<128>();
-    default: return attend_split_for_cpu<256>();  // the argument checks allow 64, 128 and 256
+    case 64:
+      return attend_split_for_cpu<64>();
+    case 128:
+      return attend_split_for_cpu<128>();
+    default:
+      return attend_split_for_cpu<256>();  // the argument checks allow 64, 128 and 256
   }
 }
 
@@ -598,9 +607,15 @@ void load_queries(const Unit& u, int64_t group, int64_t head_size, const T* quer
 template <typename Fn>
 void dispatch_float_types(ScalarType type, Fn&& fn) {
   switch (type) {
-    case ScalarType::BFloat16: fn(c10::BFloat16{}); break;
-    case ScalarType::Half: fn(c10::Half{}); break;
-    default: fn(float{}); break;  // the argument checks allow these three
+    case ScalarType::BFloat16:
+      fn(c10::BFloat16{});
+      break;
+    case ScalarType::Half:
+      fn(c10::Half{});
+      break;
+    default:
+      fn(float{});
+      break;  // the argument checks allow these three
   }
 }
 
@@ -619,10 +634,16 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
                                block_table.const_data_ptr<int32_t>(), block_table.stride(0), block_table.size(1),
                                layout.block_size, key_cache.size(0));
 
-  Batch b{layout, query.size(1) / layout.num_heads, static_cast<const uint8_t*>(key_cache.const_data_ptr()),
-          static_cast<const uint8_t*>(value_cache.const_data_ptr()), key_cache.stride(0),
-          block_table.const_data_ptr<int32_t>(), block_table.stride(0),
-          static_cast<float>(scale) * *k_scale.const_data_ptr<float>(), *v_scale.const_data_ptr<float>(), causal,
+  Batch b{layout,
+          query.size(1) / layout.num_heads,
+          static_cast<const uint8_t*>(key_cache.const_data_ptr()),
+          static_cast<const uint8_t*>(value_cache.const_data_ptr()),
+          key_cache.stride(0),
+          block_table.const_data_ptr<int32_t>(),
+          block_table.stride(0),
+          static_cast<float>(scale) * *k_scale.const_data_ptr<float>(),
+          *v_scale.const_data_ptr<float>(),
+          causal,
           {}};
   for (int64_t r = 0; r < 4; ++r)
     for (int64_t s = 0; s < layout.scale_dim(); ++s)
@@ -637,7 +658,8 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
     for (int64_t block = (n + rows_per_unit - 1) / rows_per_unit - 1; block >= 0; --block) {
       const int64_t row = block * rows_per_unit, rows = std::min(rows_per_unit, n - row);
       const int64_t pos0 = c - n + row, key_end = causal ? pos0 + rows : c;
-      for (int64_t h = 0; h < layout.num_heads; ++h) units.push_back({r, h, starts[r] + row, rows, pos0, c, key_end, -1});
+      for (int64_t h = 0; h < layout.num_heads; ++h)
+        units.push_back({r, h, starts[r] + row, rows, pos0, c, key_end, -1});
       scores += layout.num_heads * rows * group * key_end;
     }
   }
