@@ -72,7 +72,7 @@ def _(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_s
 def reshape_and_cache_nvfp4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor,
                             v_scale: torch.Tensor, swizzle_v_scales: bool) -> None:
-    """Quantize `key`/`value` `[n, heads, head_size]` to NVFP4 into their slots (FORMATS.md §1)."""
+    """Quantize `key`/`value` `[n, heads, head_size]` to NVFP4 into their slots (docs/FORMATS.md §1)."""
     _ops.reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
                                  swizzle_v_scales)
 
@@ -96,7 +96,7 @@ def gather_nvfp4_kv_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, bl
 
 def indexer_k_quant_and_cache(k: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                               quant_block_size: int, scale_fmt: str) -> None:
-    """Quantize indexer keys `[n, head_dim]` to FP8 with per-block scales into their slots (FORMATS.md §2)."""
+    """Quantize indexer keys `[n, head_dim]` to FP8 with per-block scales into their slots (docs/FORMATS.md §2)."""
     _ops.indexer_k_quant_and_cache(k, kv_cache, slot_mapping, quant_block_size, scale_fmt)
 
 

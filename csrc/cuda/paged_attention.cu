@@ -1,4 +1,4 @@
-// CUDA kernel of `nvfp4_paged_attention`: attention read straight from the NVFP4 pages (FORMATS.md §1), for
+// CUDA kernel of `nvfp4_paged_attention`: attention read straight from the NVFP4 pages (docs/FORMATS.md §1), for
 // decode, prefill, chunked prefill and mixed batches in one launch (plus a combine pass when split-KV).
 //
 // One CTA of 4 warps owns one (request, KV head, tile of query rows, KV split). A query row is a (query token,
