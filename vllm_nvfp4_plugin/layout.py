@@ -114,8 +114,13 @@ class NVFP4PageLayout:
         if full_dim % 9:
             raise ValueError(f"key_cache last dim must be head_size/2 + head_size/16 (a multiple of 9), got {full_dim}")
         layout = cls(full_dim // 9 * 16, block_size, num_heads, cls.is_hnd(side_cache), swizzle_v_scales)
-        if side_cache.stride(3) != 1 or side_cache.stride(layout._inner_dim) != full_dim or \
-                side_cache.stride(layout._outer_dim) != full_dim * side_cache.size(layout._inner_dim):
+        inner, outer = layout._inner_dim, layout._outer_dim
+
+        def strided(dim: int, expected: int) -> bool:  # a dim of size 1 may carry any stride (as checks.cpp)
+            return side_cache.size(dim) == 1 or side_cache.stride(dim) == expected
+
+        if side_cache.stride(3) != 1 or not strided(inner, full_dim) or \
+                not strided(outer, full_dim * side_cache.size(inner)):
             raise ValueError(f"key_cache must have contiguous block sides (NHD or HND), got strides "
                              f"{tuple(side_cache.stride())}")
         return layout
