@@ -22,7 +22,7 @@ on this machine (AMD EPYC Zen 4, 2 cores; fp32 weights, 32 x 16 tokens):
   as one batch), selects kernels that are row-invariant for every SmolLM2 shape
   (`test_onednn_avx2_gemms_are_row_invariant`). In that configuration all 32 texts and every
   log-probability are bit-identical, which is asserted; the default configuration's count is printed
-  and bounded (each difference a top-2 swap at a close call, at most MAX_DIVERGED).
+  and bounded (each difference a close call between the two best tokens, at most MAX_DIVERGED).
 - bf16 weights are not row-invariant even with vLLM's own bf16 KV cache (6 of 32 texts differed),
   hence float32 here.
 A request that read another request's blocks, or stale ones, would produce unrelated tokens and
@@ -52,6 +52,7 @@ NUM_REQUESTS = 32
 REQUEST_TIMEOUT_S = 300.0
 BLOCK_SIZE = 32
 MAX_DIVERGED = 4  # the default configuration's bound (see the module docstring)
+CLOSE_CALL_NATS = 0.5  # measured: up to 0.07 nats between the reordered tokens
 ROW_INVARIANT_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 SHARED_PREFIXES = [
@@ -123,9 +124,11 @@ def first_difference(a: list[str], b: list[str]) -> int | None:
     return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def is_top2_swap(token_a: str, top_a: dict[str, float], token_b: str, top_b: dict[str, float]) -> bool:
-    """Each run's pick is the other run's runner-up: the two best tokens traded places."""
-    return set(top_a) == set(top_b) == {token_a, token_b}
+def is_close_call(token_a: str, top_a: dict[str, float], token_b: str, top_b: dict[str, float]) -> bool:
+    """One run's pick is the other's runner-up, within CLOSE_CALL_NATS of that run's pick: the best two tokens were
+    nearly tied, and a small change of the logits reordered them (an unrelated token is not among them)."""
+    return any(other in top and top[mine] - top[other] < CLOSE_CALL_NATS
+               for mine, top, other in ((token_a, top_a, token_b), (token_b, top_b, token_a)))
 
 
 def metric(client: httpx.Client, name: str) -> float:
@@ -230,7 +233,7 @@ def test_concurrent_completions_equal_sequential_with_row_invariant_gemms(tmp_pa
 
 def test_concurrent_completions_with_default_gemms_differ_only_at_close_calls(tmp_path):
     """vLLM's defaults: every first token identical (prefill is row-invariant), at most MAX_DIVERGED texts
-    different, each a swap of the two best tokens, never an unrelated token."""
+    different, each a close call between the two best tokens, never an unrelated token."""
     with serving(tmp_path, {}) as server:
         runs = sequential_and_concurrent(server)
     diverged = []
@@ -241,12 +244,12 @@ def test_concurrent_completions_with_default_gemms_differ_only_at_close_calls(tm
         if k is None:
             continue
         diverged.append(f"prompt {i} token {k}: {seq_tokens[k]!r} / {con_tokens[k]!r}")
-        assert is_top2_swap(seq_tokens[k], seq_top[k], con_tokens[k], con_top[k]), (
+        assert is_close_call(seq_tokens[k], seq_top[k], con_tokens[k], con_top[k]), (
             f"{prompt!r}: token {k} is {seq_tokens[k]!r} (top-2 {seq_top[k]}) sequentially but "
             f"{con_tokens[k]!r} (top-2 {con_top[k]}) concurrently"
         )
     print(f"default oneDNN ISA: identical greedy texts: {NUM_REQUESTS - len(diverged)} of {NUM_REQUESTS}; "
-          f"top-2 swaps: {diverged}")
+          f"close calls: {diverged}")
     assert len(diverged) <= MAX_DIVERGED
 
 
