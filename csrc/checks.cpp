@@ -5,6 +5,7 @@
 #include "error.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <string>
@@ -422,6 +423,20 @@ NVFP4PageLayout check_nvfp4_paged_attention(const Tensor& query, const Tensor& k
   NVFP4_CHECK(max_query_len >= 0, op, ": max_query_len: must be non-negative, got ", max_query_len);
   NVFP4_CHECK(max_seq_len >= 0, op, ": max_seq_len: must be non-negative, got ", max_seq_len);
   return layout;
+}
+
+void check_attention_features(int64_t sliding_window, double logits_soft_cap, const std::optional<Tensor>& sinks,
+                              const Tensor& query) {
+  const char* op = "nvfp4_paged_attention";
+  NVFP4_CHECK(sliding_window >= 0, op, ": sliding_window: must be >= 0 (0: no window), got ", sliding_window);
+  NVFP4_CHECK(std::isfinite(logits_soft_cap) && logits_soft_cap >= 0.0, op,
+              ": logits_soft_cap: must be finite and >= 0 (0: no soft-cap), got ", logits_soft_cap);
+  if (!sinks.has_value()) return;
+  check_dtype(op, "sinks", *sinks, {ScalarType::Float}, "float32");
+  NVFP4_CHECK(sinks->dim() == 1 && sinks->size(0) == query.size(1) && (sinks->size(0) <= 1 || sinks->stride(0) == 1),
+              op, ": sinks: must be a contiguous [num_q_heads] = [", query.size(1), "] tensor, got shape ",
+              shape_of(*sinks));
+  check_same_device(op, "sinks", *sinks, query, "query");
 }
 
 void check_paged_attention_ranges(const char* op, const int32_t* query_start_loc, const int32_t* seq_lens,

@@ -8,6 +8,7 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "layout.h"
@@ -69,6 +70,11 @@ NVFP4PageLayout check_nvfp4_paged_attention(const Tensor& query, const Tensor& k
                                             const Tensor& seq_lens, const Tensor& k_scale, const Tensor& v_scale,
                                             bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len,
                                             const Tensor& out);
+
+// nvfp4_paged_attention's model features: sliding_window >= 0 (0: none), logits_soft_cap finite and >= 0 (0: none),
+// sinks (when given) float32 `[num_q_heads]` on query's device.
+void check_attention_features(int64_t sliding_window, double logits_soft_cap, const std::optional<Tensor>& sinks,
+                              const Tensor& query);
 
 // The batch's lengths read on the host: query_start_loc non-decreasing from 0 up to at most query_rows, every
 // request's query inside its seq_lens, both within the host-side bounds, and every block its context uses a

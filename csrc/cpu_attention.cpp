@@ -622,11 +622,15 @@ void dispatch_float_types(ScalarType type, Fn&& fn) {
 void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                                const Tensor& block_table, const Tensor& query_start_loc, const Tensor& seq_lens,
                                const Tensor& k_scale, const Tensor& v_scale, double scale, bool causal,
-                               bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len, Tensor& out) {
+                               bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len, Tensor& out,
+                               int64_t sliding_window, double logits_soft_cap, const std::optional<Tensor>& sinks) {
   const char* op = "nvfp4_paged_attention";
   const NVFP4PageLayout layout =
       check_nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale,
                                   v_scale, swizzle_v_scales, max_query_len, max_seq_len, out);
+  check_attention_features(sliding_window, logits_soft_cap, sinks, query);
+  NVFP4_CHECK(sliding_window == 0 && logits_soft_cap == 0.0 && !sinks.has_value(), op,
+              ": sliding_window, logits_soft_cap and sinks are not implemented on CPU yet");
   const int64_t num_reqs = seq_lens.size(0), head_size = layout.head_size;
   const int32_t* starts = query_start_loc.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();

@@ -30,8 +30,10 @@ STABLE_TORCH_LIBRARY(vllm_nvfp4, m) {
         "Tensor(a!) logits) -> ()");
   m.def("indexer_paged_mqa_logits(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, "
         "Tensor block_table, int quant_block_size, Tensor(a!) logits) -> ()");
-  // Paged attention read straight from the NVFP4 cache: decode, prefill and chunked prefill in one call.
+  // Paged attention read straight from the NVFP4 cache: decode, prefill and chunked prefill in one call, with an
+  // optional sliding window, logit soft-cap and per-head attention sinks.
   m.def("nvfp4_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
         "Tensor query_start_loc, Tensor seq_lens, Tensor k_scale, Tensor v_scale, float scale, bool causal, "
-        "bool swizzle_v_scales, int max_query_len, int max_seq_len, Tensor(a!) out) -> ()");
+        "bool swizzle_v_scales, int max_query_len, int max_seq_len, Tensor(a!) out, int sliding_window=0, "
+        "float logits_soft_cap=0., Tensor? sinks=None) -> ()");
 }

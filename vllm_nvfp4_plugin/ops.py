@@ -63,10 +63,11 @@ def _(q, kv_cache, weights, context_lens, block_table, quant_block_size, logits)
 
 @torch.library.register_fake("vllm_nvfp4::nvfp4_paged_attention")
 def _(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale, scale, causal,
-      swizzle_v_scales, max_query_len, max_seq_len, out):
+      swizzle_v_scales, max_query_len, max_seq_len, out, sliding_window=0, logits_soft_cap=0.0, sinks=None):
     _check_same_device("nvfp4_paged_attention", query=query, key_cache=key_cache, value_cache=value_cache,
                        block_table=block_table, query_start_loc=query_start_loc, seq_lens=seq_lens,
-                       k_scale=k_scale, v_scale=v_scale, out=out)
+                       k_scale=k_scale, v_scale=v_scale, out=out,
+                       **({"sinks": sinks} if sinks is not None else {}))
 
 
 def reshape_and_cache_nvfp4(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
@@ -122,13 +123,20 @@ def indexer_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: t
 def nvfp4_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_table: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                           k_scale: torch.Tensor, v_scale: torch.Tensor, scale: float, causal: bool,
-                          swizzle_v_scales: bool, max_query_len: int, max_seq_len: int, out: torch.Tensor) -> None:
+                          swizzle_v_scales: bool, max_query_len: int, max_seq_len: int, out: torch.Tensor,
+                          sliding_window: int = 0, logits_soft_cap: float = 0.0,
+                          sinks: torch.Tensor | None = None) -> None:
     """Attention of `query [T, Hq, D]` over the NVFP4 pages into `out` (same shape), reading the codes directly.
 
     Request r owns query rows `query_start_loc[r]:query_start_loc[r+1]`, the last positions of its `seq_lens[r]`
     cached tokens (pages `block_table[r]`); `causal` masks each query to the keys up to its own position. Rows past
     `query_start_loc[-1]` are not written. `max_query_len`/`max_seq_len` are host-side upper bounds of the batch's
     lengths for launch planning (no device read-back); `k_scale`/`v_scale` are the caches' float32 global scales.
+
+    Model features (vLLM's FlashAttention definitions): `sliding_window` w > 0 lets the query at position p see
+    only keys at positions > p - w; `logits_soft_cap` c > 0 maps each scaled logit s to c·tanh(s / c); `sinks`
+    (float32 `[Hq]`) adds one logit per query head to the softmax's denominator only.
     """
     _ops.nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale,
-                               v_scale, scale, causal, swizzle_v_scales, max_query_len, max_seq_len, out)
+                               v_scale, scale, causal, swizzle_v_scales, max_query_len, max_seq_len, out,
+                               sliding_window, logits_soft_cap, sinks)

@@ -154,8 +154,13 @@ def gather_nvfp4_kv_cache(key_cache, value_cache, block_table, cu_seq_lens, k_sc
 
 def nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale,
                           scale: float, causal: bool, swizzle_v_scales: bool, max_query_len: int, max_seq_len: int,
-                          out) -> None:
-    """fp32 attention over the dequantized cache, one request at a time (the kernels' oracle)."""
+                          out, sliding_window: int = 0, logits_soft_cap: float = 0.0, sinks=None) -> None:
+    """fp32 attention over the dequantized cache, one request at a time (the kernels' oracle).
+
+    A query sits at position c - n + i of its request's c keys. `sliding_window` w > 0 hides keys at positions
+    <= p - w from the query at p; `logits_soft_cap` c > 0 maps a scaled logit s to c·tanh(s / c); `sinks` (one
+    logit per query head) joins the softmax's denominator and is dropped from its output.
+    """
     layout = NVFP4PageLayout.from_side_cache(key_cache, swizzle_v_scales)
     starts, lens = query_start_loc.long().cpu().tolist(), seq_lens.long().cpu().tolist()
     group = query.size(1) // layout.num_heads
@@ -171,10 +176,20 @@ def nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_star
         q = query[starts[r]:starts[r + 1]].to(_F32)  # [n, Hq, D]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [c, Hq, D]
         logits = torch.einsum("nhd,chd->hnc", q, k) * scale
-        if causal:  # query i sits at position c - n + i
-            visible = torch.arange(c, device=q.device) <= torch.arange(n, device=q.device)[:, None] + (c - n)
-            logits = logits.masked_fill(~visible, float("-inf"))
-        out[starts[r]:starts[r + 1]] = torch.einsum("hnc,chd->nhd", logits.softmax(-1), v).to(out.dtype)
+        if logits_soft_cap > 0:
+            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
+        key_pos = torch.arange(c, device=q.device)
+        query_pos = torch.arange(n, device=q.device)[:, None] + (c - n)
+        visible = key_pos <= query_pos if causal else torch.ones(n, c, dtype=torch.bool, device=q.device)
+        if sliding_window > 0:
+            visible = visible & (key_pos > query_pos - sliding_window)
+        logits = logits.masked_fill(~visible, float("-inf"))
+        if sinks is not None:  # a sink column joins the softmax, then is dropped
+            sink = sinks.to(_F32).view(-1, 1, 1).expand(-1, n, 1)
+            probs = torch.cat([logits, sink], -1).softmax(-1)[..., :c]
+        else:
+            probs = logits.softmax(-1)
+        out[starts[r]:starts[r + 1]] = torch.einsum("hnc,chd->nhd", probs, v).to(out.dtype)
 
 
 # --- Sparse-indexer K cache ops -----------------------------------------------------------------

@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <string>
 
+#include "checks.h"
 #include "common.cuh"
 #include "layout.h"
 
@@ -718,10 +719,14 @@ void dispatch_rows(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t m
 void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                                 const Tensor& block_table, const Tensor& query_start_loc, const Tensor& seq_lens,
                                 const Tensor& k_scale, const Tensor& v_scale, double scale, bool causal,
-                                bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len, Tensor& out) {
+                                bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len, Tensor& out,
+                                int64_t sliding_window, double logits_soft_cap, const std::optional<Tensor>& sinks) {
   const NVFP4PageLayout layout =
       check_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale,
                             swizzle_v_scales, max_query_len, max_seq_len, out);
+  check_attention_features(sliding_window, logits_soft_cap, sinks, query);
+  NVFP4_CHECK(sliding_window == 0 && logits_soft_cap == 0.0 && !sinks.has_value(),
+              "nvfp4_paged_attention: sliding_window, logits_soft_cap and sinks are not implemented on CUDA yet");
   const int64_t num_reqs = seq_lens.size(0);
   if (num_reqs == 0 || query.size(0) == 0 || max_query_len == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(query.get_device_index());
