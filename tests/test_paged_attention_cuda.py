@@ -27,10 +27,11 @@ class Batch:
     """Requests `(query_len, context_len)` over one NVFP4 cache; K/V written by the CUDA store op."""
 
     def __init__(self, requests, *, head_size=128, kv_heads=2, group=4, block_size=16, hnd=False, swizzle=False,
-                 dtype=torch.bfloat16, causal=True, kv=None, seed=0, k_scale=0.75, v_scale=1.25):
+                 dtype=torch.bfloat16, causal=True, kv=None, seed=0, k_scale=0.75, v_scale=1.25, features=None):
         self.gen = torch.Generator().manual_seed(seed)
         self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle)
         self.requests, self.causal, self.dtype = requests, causal, dtype
+        self.features = dict(features or {})  # sliding_window, logits_soft_cap, sinks
         self.q_heads = kv_heads * group
         pages = [-(-c // block_size) for _, c in requests]
         num_blocks = sum(pages) + 3
@@ -70,19 +71,19 @@ class Batch:
 
     def run(self, **bounds) -> torch.Tensor:
         out = torch.full_like(self.query, float("nan"))
-        ops.nvfp4_paged_attention(*self.args(out, **bounds))
+        ops.nvfp4_paged_attention(*self.args(out, **bounds), **self.features)
         return out
 
     def reference(self) -> torch.Tensor:
         out = torch.zeros(self.query.shape, dtype=torch.float32, device="cuda")
-        reference.nvfp4_paged_attention(*self.args(out))
+        reference.nvfp4_paged_attention(*self.args(out), **self.features)
         return out
 
-    def check(self, out: torch.Tensor) -> float:
+    def check(self, out: torch.Tensor, ref: torch.Tensor | None = None) -> float:
         rows = self.num_tokens
         assert torch.isnan(out[rows:]).all(), "rows past query_start_loc[-1] were written"
         assert torch.isfinite(out[:rows]).all(), "a query row was left unwritten or is not finite"
-        err = rel_l2(out[:rows], self.reference()[:rows])
+        err = rel_l2(out[:rows], (self.reference() if ref is None else ref)[:rows])
         assert err <= REL_L2, f"relative L2 error {err:.2e} > {REL_L2}"
         return err
 
@@ -127,8 +128,65 @@ def test_prefill_chunked_and_mixed(head_size, hnd):
     batch.check(batch.run())
 
 
-def test_non_causal():
-    batch = Batch([(1, 100), (50, 50), (30, 300)], causal=False, seed=5)
+@pytest.mark.parametrize("requests", [[(1, 100), (50, 50), (30, 300)], [(1, 100), (3, 50), (2, 300)]],
+                         ids=["mixed", "decode"])
+def test_non_causal(requests):
+    batch = Batch(requests, causal=False, seed=5)
+    batch.check(batch.run())
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 8, 24, 32, 64])
+def test_decode_block_sizes(block_size):
+    """Blocks a multiple of 16 (one table read a 16-key block) and not (a read a key), swizzled where allowed."""
+    batch = Batch(DECODES + [(2, 500)], block_size=block_size, swizzle=block_size % 4 == 0, seed=block_size)
+    batch.check(batch.run())
+
+
+FEATURE_BATCHES = {
+    "decode": [(1, 1), (1, 37), (1, 700), (1, 2100)],
+    "spec": [(3, 300), (2, 50), (3, 3)],  # 12 query rows a request: the decode kernel's two n8 blocks
+    "prefill": [(40, 200), (7, 7), (1, 90), (64, 1100)],
+}
+
+
+def _sinks(q_heads, seed):
+    g = torch.Generator().manual_seed(seed)
+    sinks = torch.randn(q_heads, generator=g) * 2
+    sinks[::3] += 6.0  # a few heads whose sink outweighs every key
+    return sinks.cuda()
+
+
+@pytest.mark.parametrize("batch_kind", list(FEATURE_BATCHES))
+@pytest.mark.parametrize("window", [1, 5, 16, 23, 100, 5000])
+def test_sliding_window(batch_kind, window):
+    """Windows shorter and longer than a page, edges mid-page. Keys before the window are never read: the pages
+    wholly before it are overwritten with 0xFF (NaN block scales) after the reference has read them."""
+    batch = Batch(FEATURE_BATCHES[batch_kind], block_size=16, swizzle=window % 2 == 1, seed=window,
+                  features={"sliding_window": window})
+    ref = batch.reference()
+    for r, (n, c) in enumerate(batch.requests):
+        first_visible = max(0, c - n - window + 1)
+        batch.cache[batch.block_table[r, :first_visible // 16].long()] = 0xFF
+    batch.check(batch.run(), ref)
+
+
+@pytest.mark.parametrize("batch_kind", list(FEATURE_BATCHES))
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_soft_cap_and_sinks(batch_kind, head_size):
+    batch = Batch(FEATURE_BATCHES[batch_kind], head_size=head_size, seed=head_size, block_size=32)
+    batch.scale = 4.0 / math.sqrt(head_size)  # logits of several units, so a cap of 3 bends them
+    for features in ({"logits_soft_cap": 3.0}, {"sinks": _sinks(batch.q_heads, head_size)},
+                     {"sliding_window": 37, "logits_soft_cap": 3.0, "sinks": _sinks(batch.q_heads, 1)}):
+        batch.features = features
+        batch.check(batch.run())
+
+
+def test_sinks_with_splits():
+    """A long request: the sinks join the split-KV merge once, not once a split."""
+    batch = Batch([(1, 30000), (1, 5)], kv_heads=1, group=8, seed=11)
+    batch.features = {"sinks": _sinks(8, 11)}
+    batch.check(batch.run())
+    batch.features = {"sinks": _sinks(8, 12), "sliding_window": 4000}
     batch.check(batch.run())
 
 
@@ -156,17 +214,20 @@ def _adversarial_kv(kind):
     return make
 
 
+@pytest.mark.parametrize("requests", [[(1, 300), (1, 2000), (40, 500)], [(1, 300), (1, 2000), (2, 77)]],
+                         ids=["mixed", "decode"])
 @pytest.mark.parametrize("kind", ["outliers", "zero_groups", "saturated"])
-def test_adversarial_values(kind):
-    batch = Batch([(1, 300), (1, 2000), (40, 500)], kv=_adversarial_kv(kind), seed=7, k_scale=1.0, v_scale=1.0)
+def test_adversarial_values(kind, requests):
+    batch = Batch(requests, kv=_adversarial_kv(kind), seed=7, k_scale=1.0, v_scale=1.0)
     if kind in ("outliers", "saturated"):
         batch.scale = 1e-4  # keeps the logits in a range where fp32 reference and kernel agree on the softmax
     batch.check(batch.run())
 
 
-def test_random_cache_bytes():
+@pytest.mark.parametrize("requests", [[(1, 700), (20, 900)], [(1, 700), (1, 900)]], ids=["mixed", "decode"])
+def test_random_cache_bytes(requests):
     """Every code and scale bit pattern (subnormal and max block scales included), written straight into the pages."""
-    batch = Batch([(1, 700), (20, 900)], head_size=128, swizzle=True, seed=8)
+    batch = Batch(requests, head_size=128, swizzle=True, seed=8)
     g = torch.Generator().manual_seed(8)
     data = torch.randint(0, 256, (batch.cache.numel(),), generator=g, dtype=torch.uint8)
     data = torch.where((data & 0x7F) == 0x7F, data - 1, data)  # no E4M3 NaN scale
@@ -203,10 +264,16 @@ def test_bad_inputs_name_the_argument():
     args = list(batch.args(out))
     with pytest.raises(RuntimeError, match="query: dtype must be bfloat16 or float16"):
         ops.nvfp4_paged_attention(batch.query.float(), *args[1:-1], out.float())
-    with pytest.raises(RuntimeError, match="out: must have query's dtype"):
+    with pytest.raises(RuntimeError, match="out: dtype must be query's"):
         ops.nvfp4_paged_attention(*args[:-1], out.half())
     with pytest.raises(RuntimeError, match="query_start_loc"):
         ops.nvfp4_paged_attention(args[0], *args[1:4], batch.query_start_loc[:1], *args[5:])
+    with pytest.raises(RuntimeError, match="sliding_window: must be >= 0"):
+        ops.nvfp4_paged_attention(*args, sliding_window=-1)
+    with pytest.raises(RuntimeError, match="logits_soft_cap: must be finite and >= 0"):
+        ops.nvfp4_paged_attention(*args, logits_soft_cap=float("inf"))
+    with pytest.raises(RuntimeError, match="sinks: must be a contiguous"):
+        ops.nvfp4_paged_attention(*args, sinks=torch.zeros(3, device="cuda"))
 
 
 def test_reader_routes_core_metadata_to_the_kernel():
@@ -258,7 +325,7 @@ def test_kernel_batch_decodes_by_kernel_prefills_by_dequant():
 
 @pytest.mark.parametrize("head_size", [128, 256])
 def test_kernel_batch_with_fa2_decodes(head_size):
-    """The "auto" reader on SM90: leading decodes through FlashInfer fa2, the rest dequantized + fa3."""
+    """The "fa2" reader on SM90: leading decodes through FlashInfer fa2, the rest dequantized + fa3."""
     pytest.importorskip("flashinfer")
     from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata
     from vllm_nvfp4_plugin.attention.flashinfer_reader import (DequantPrefill, FlashInferNVFP4Decoder,

@@ -1,5 +1,7 @@
-// CUDA kernel of `nvfp4_paged_attention`: attention read straight from the NVFP4 pages (docs/FORMATS.md §1), for
-// decode, prefill, chunked prefill and mixed batches in one launch (plus a combine pass when split-KV).
+// CUDA kernels of `nvfp4_paged_attention`: attention read straight from the NVFP4 pages (docs/FORMATS.md §1), for
+// decode, prefill, chunked prefill and mixed batches in one launch (plus a combine pass when split-KV), with an
+// optional sliding window (keys before it are never read), logit soft-cap and per-head sinks. Batches of at most
+// 16 query rows a request run the decode kernel (further down); larger ones run the fused kernel described here.
 //
 // One CTA of 4 warps owns one (request, KV head, tile of query rows, KV split). A query row is a (query token,
 // query head of the KV head's GQA group) pair, so every query head of a group and every token of a multi-token
@@ -135,6 +137,14 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// A sink logit (natural units) joins a row's softmax denominator: (sum, acc), kept relative to max m (log2
+// domain), move to the new max and the sink's term is added to the sum.
+__device__ __forceinline__ void add_sink(float sink, float m, float& sum, float& acc) {
+  const float sink2 = sink * LOG2E, m_new = fmaxf(m, sink2), keep = fast_exp2(m - m_new);
+  sum = sum * keep + fast_exp2(sink2 - m_new);
+  acc *= keep;
+}
+
 struct Params {
   const void* query;
   int64_t q_token_stride, q_head_stride;
@@ -149,6 +159,9 @@ struct Params {
   const float* v_scale;
   float logit_scale;  // scale · log2(e)
   bool causal;
+  int sliding_window;    // keys a query sees, 0: all
+  float soft_cap_log2;   // logits_soft_cap · log2(e), 0: no soft-cap
+  const float* sinks;    // [q_heads] sink logits, or null
   NVFP4PageLayout layout;
   int block_shift;  // log2(block_size) when a power of two, else -1
   int group;        // query heads per KV head
@@ -185,18 +198,19 @@ struct TileCopy {
 
 // The block ids of this thread's tokens in `tile` (-1: nothing to copy), read one tile ahead of their use so the
 // copies never wait on the block table. A swizzled V scale row holds scales of all 4 tokens of its group, so it is
-// copied whenever the group's first token is in range.
+// copied whenever one of the group's tokens is in range.
 template <int D>
 __device__ __forceinline__ void tile_pages(int (&pages)[TileCopy<D>::PAGES], const Params& p, const int32_t* table_row,
-                                           int tile, int kv_end) {
+                                           int tile, int kv_lo, int kv_end) {
   using C = TileCopy<D>;
   const bool v_side = threadIdx.x >= TILE;
 #pragma unroll
   for (int j = 0; j < C::PAGES; ++j) {
     const int pos = tile * TILE + (j < C::DATA_TOKENS ? C::data_token(j) : C::scale_token());
-    const int first = j == C::DATA_TOKENS && v_side && p.layout.swizzle_v_scales ? pos & ~3 : pos;
+    const bool group_row = j == C::DATA_TOKENS && v_side && p.layout.swizzle_v_scales;
+    const int first = group_row ? pos & ~3 : pos, last = group_row ? pos | 3 : pos;
     int block = -1;
-    if (tile >= 0 && first < kv_end) {
+    if (tile >= 0 && first < kv_end && last >= kv_lo) {
       block = __ldg(table_row + block_position(p, pos).x);
       if (block < 0 || block >= p.num_blocks) block = -1;
     }
@@ -251,8 +265,9 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
   // The KV range of this CTA: its split's tiles, cut at the last key its rows can see.
   const int last_token = (min(row0 + ROWS, num_rows) - 1) / p.group;
   const int kv_end = max(0, p.causal ? min(seq_len, seq_len - num_q + last_token + 1) : seq_len);
+  const int kv_lo = p.sliding_window > 0 ? max(0, seq_len - num_q + row0 / p.group - p.sliding_window + 1) : 0;
   const int tiles = (kv_end + TILE - 1) / TILE;
-  const int tile_begin = split * p.tiles_per_split;
+  const int tile_begin = kv_lo / TILE + split * p.tiles_per_split;
   const int tile_end = split == p.num_splits - 1 ? tiles : min(tiles, tile_begin + p.tiles_per_split);
   const int num_tiles = max(0, tile_end - tile_begin);
 
@@ -264,17 +279,17 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
   int pages[TileCopy<D>::PAGES];
   for (int s = 0; s < G::STAGES - 1; ++s) {
     if (s < num_tiles) {
-      tile_pages<D>(pages, p, table_row, tile_begin + s, kv_end);
+      tile_pages<D>(pages, p, table_row, tile_begin + s, kv_lo, kv_end);
       load_tile<D>(smem + s * G::STAGE_BYTES, p, head, tile_begin + s, pages);
     }
     copy_commit();
   }
   // Block ids of the next tile to copy, fetched an iteration before the copy.
-  tile_pages<D>(pages, p, table_row, G::STAGES - 1 < num_tiles ? tile_begin + G::STAGES - 1 : -1, kv_end);
+  tile_pages<D>(pages, p, table_row, G::STAGES - 1 < num_tiles ? tile_begin + G::STAGES - 1 : -1, kv_lo, kv_end);
 
   // This lane's two rows (g and g + 8 of the warp's 16): their query tokens, visible key ends and logit scales;
   // their query quarters as float16 A fragments, in the order code_pair decodes K.
-  int row_limit[2];
+  int row_limit[2], row_start[2];
   float row_scale[2];
   uint32_t qa[G::KSTEPS][4];
 #pragma unroll
@@ -284,6 +299,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
     const int token = valid ? row / p.group : 0;
     const int q_head = head * p.group + (valid ? row % p.group : 0);
     row_limit[r] = !valid ? 0 : p.causal ? seq_len - num_q + token + 1 : seq_len;
+    row_start[r] = p.sliding_window > 0 ? seq_len - num_q + token - p.sliding_window + 1 : 0;
     float q[G::Q_CHUNK];
     const T* src = static_cast<const T*>(p.query) + (q_start + token) * p.q_token_stride + q_head * p.q_head_stride +
                    t * G::Q_CHUNK;
@@ -322,7 +338,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
       const int next = it + G::STAGES - 1;
       if (next < num_tiles) load_tile<D>(smem + (next % G::STAGES) * G::STAGE_BYTES, p, head, tile_begin + next, pages);
       copy_commit();
-      tile_pages<D>(pages, p, table_row, next + 1 < num_tiles ? tile_begin + next + 1 : -1, kv_end);
+      tile_pages<D>(pages, p, table_row, next + 1 < num_tiles ? tile_begin + next + 1 : -1, kv_lo, kv_end);
     }
     if (!warp_has_rows) continue;
     const uint8_t* stage = smem + (it % G::STAGES) * G::STAGE_BYTES;
@@ -366,7 +382,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
           for (int e = 0; e < 2; ++e) {
             const int pos = step_start + 4 * t + 2 * nb + e;
             float x = s[nb][2 * r + e] * row_scale[r];
-            x = pos < row_limit[r] ? x : -INFINITY;
+            if (p.soft_cap_log2 > 0.0f) x = p.soft_cap_log2 * tanhf(x / p.soft_cap_log2);
+            x = pos >= row_start[r] && pos < row_limit[r] ? x : -INFINITY;
             s[nb][2 * r + e] = x;
             row_max = fmaxf(row_max, x);
           }
@@ -428,9 +445,10 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
             entry = (token & ~3) + group / quarter;
             byte = (group % quarter) * 4 + (token & 3);
           }
-          // A token past the range has zero codes but, in a swizzled group, a copied scale byte that may be
+          // A token outside the range has zero codes but, in a swizzled group, a copied scale byte that may be
           // anything (a NaN times its zero probability is NaN): its scale is zero.
-          sf_bytes[k] = tile_start + token < kv_end ? stage[G::V_SCALES + entry * G::SCALES + byte] : 0u;
+          const int pos = tile_start + token;
+          sf_bytes[k] = pos >= kv_lo && pos < kv_end ? stage[G::V_SCALES + entry * G::SCALES + byte] : 0u;
         }
         const uint32_t sf01 = scale_pair(sf_bytes[0] | (sf_bytes[1] << 8));
         const uint32_t sf23 = scale_pair(sf_bytes[2] | (sf_bytes[3] << 8));
@@ -478,7 +496,10 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
     for (int r = 0; r < 2; ++r) {
       const int row = wm * 16 + g + 8 * r;
       if (row0 + row >= num_rows) continue;
-      const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+      float sum = l[r], keep = 1.0f;
+      if (p.sinks != nullptr && p.num_splits == 1)
+        add_sink(__ldg(p.sinks + head * p.group + (row0 + row) % p.group), m[r], sum, keep);
+      const float inv = sum > 0.0f ? keep / sum : 0.0f;
 #pragma unroll
       for (int c = 0; c < G::VBLOCKS; ++c)
 #pragma unroll
@@ -520,9 +541,501 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
 #pragma unroll
       for (int w = 0; w < WARPS_N; ++w)
         if (merge_m[w][row] != -INFINITY) l_all += merge_l[w][row] * fast_exp2(merge_m[w][row] - m_all);
-      const float inv = l_all > 0.0f ? 1.0f / l_all : 0.0f;
+      float sum = l_all, keep = 1.0f;
+      if (p.sinks != nullptr && p.num_splits == 1)
+        add_sink(__ldg(p.sinks + head * p.group + (row0 + row) % p.group), m_all, sum, keep);
+      const float inv = sum > 0.0f ? keep / sum : 0.0f;
       for (int d = lane; d < D; d += WARP) store(row, d, merged[row * D + d] * inv);
       if (lane == 0) store_lse(row, l_all > 0.0f ? m_all + __log2f(l_all) : -INFINITY);
+    }
+  }
+}
+
+// --- decode kernel ------------------------------------------------------------------------------------
+//
+// For batches whose requests have at most 16 query rows (query tokens × the GQA group), the tokens take the MMA's
+// M side: S^T = K · Q^T (m16 = 16 keys, n8 = 8 query rows, k16 = 16 channels) and O^T = V^T · P^T (m16 = 16
+// channels, k16 = 16 keys), so no tensor-core row is spent on the few query rows, and every lane decodes each
+// code it loads exactly once. A warp streams chunks of 32 keys straight from the pages into registers (one chunk
+// ahead of its use, no shared memory), the four warps of a CTA take interleaved chunks of the CTA's KV range,
+// and they merge through shared memory at the end. S^T's fragments become P^T's with `movmatrix` (a transpose
+// of 8 × 8 half blocks in registers).
+//
+// Lane (g, t) of a warp: for K it loads the channel quarter t of keys σ(g) and σ(g) + 2 of each 16-key block,
+// σ(g) = 2g - g % 2 (so that after the transpose its V keys are 4t .. 4t + 3, four consecutive keys whose
+// swizzled V scales share one 32-bit word); for V it loads the channel eighth g of keys 4t .. 4t + 3. Channel
+// orders inside a quarter or an eighth are permuted as the decode of a 32-bit code word comes out; the query is
+// loaded in the matching order and the output written back in channel order.
+constexpr int DECODE_WARPS = 4;
+constexpr int DECODE_THREADS = DECODE_WARPS * WARP;
+constexpr int DECODE_CHUNK = 32;  // keys of one warp iteration: two 16-key blocks
+
+template <int D>
+struct DecodeShape {
+  static constexpr int K_BYTES = D / 8;        // one lane's quarter of a K row
+  static constexpr int K_WORDS = D / 32;
+  static constexpr int K_SCALES = D / 64;      // its block scales
+  static constexpr int V_BYTES = D / 16;       // one lane's eighth of a V row
+  static constexpr int V_WORDS = D / 64;
+  static constexpr int V_GROUPS = D >= 256 ? D / 128 : 1;  // block-scale groups of that eighth
+  static constexpr int KSTEPS = D / 16;        // k16 steps of S^T
+  static constexpr int MBLOCKS = D / 16;       // m16 blocks of O^T
+};
+
+// One lane's raw bytes of one chunk.
+template <int D>
+struct DecodeChunk {
+  uint32_t k[2][2][DecodeShape<D>::K_WORDS];       // [16-key block][key σ(g), σ(g) + 2][word]
+  uint32_t k_scales[2][2];                          // K_SCALES bytes each
+  uint32_t v[2][4][DecodeShape<D>::V_WORDS];       // [16-key block][key 4t + i][word]
+  uint32_t v_scales[2][DecodeShape<D>::V_GROUPS];  // byte i: key 4t + i
+};
+
+__device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+template <int BYTES>
+__device__ __forceinline__ void load_words(uint32_t* dst, const uint8_t* src) {
+  if constexpr (BYTES == 4) {
+    dst[0] = __ldg(reinterpret_cast<const uint32_t*>(src));
+  } else if constexpr (BYTES == 8) {
+    const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
+    dst[0] = v.x, dst[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + i);
+      dst[4 * i] = v.x, dst[4 * i + 1] = v.y, dst[4 * i + 2] = v.z, dst[4 * i + 3] = v.w;
+    }
+  }
+}
+
+template <int BYTES>
+__device__ __forceinline__ uint32_t load_small(const uint8_t* src) {
+  if constexpr (BYTES == 1) return __ldg(src);
+  else if constexpr (BYTES == 2) return __ldg(reinterpret_cast<const uint16_t*>(src));
+  else return __ldg(reinterpret_cast<const uint32_t*>(src));
+}
+
+// This lane's byte offsets inside a 16-key run of one block (from the run's first (key, head) entry), in either
+// cache side: its K keys' code quarters and scale bytes, its V keys' code eighths and scale bytes (linear: a byte a
+// key; swizzled: the 32-bit word holding its four keys' bytes).
+template <int D, bool SWIZZLE>
+struct LaneOffsets {
+  using S = DecodeShape<D>;
+  int k_data[2], k_scales[2], v_data[4], v_scales[SWIZZLE ? 1 : 4][S::V_GROUPS];
+
+  __device__ LaneOffsets(const Params& p) {
+    const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, sigma = 2 * g - (g & 1);
+    const int step = p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);  // entries from a key to the next
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      k_data[r] = (sigma + 2 * r) * step * (D / 2) + S::K_BYTES * t;
+      k_scales[r] = (sigma + 2 * r) * step * (D / 16) + S::K_SCALES * t;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v_data[i] = (4 * t + i) * step * (D / 2) + S::V_BYTES * g;
+#pragma unroll
+    for (int q = 0; q < S::V_GROUPS; ++q) {
+      const int group = S::V_BYTES * 2 * g / 16 + q;
+      if constexpr (SWIZZLE) {  // key k's byte of group G: row (k & ~3) + G / quarter, byte (G % quarter) · 4 + k % 4
+        constexpr int QUARTER = D / 64;
+        v_scales[0][q] = (4 * t + group / QUARTER) * step * (D / 16) + (group % QUARTER) * 4;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v_scales[i][q] = (4 * t + i) * step * (D / 16) + group;
+      }
+    }
+  }
+};
+
+// The blocks of a chunk's two 16-key runs (block sizes a multiple of 16; -1: nothing to read there).
+__device__ __forceinline__ int2 chunk_blocks(const Params& p, const int32_t* table_row, int chunk_start, int hi) {
+  int blocks[2];
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    const int pos = chunk_start + 16 * b;
+    const int block = pos < hi ? __ldg(table_row + block_position(p, pos).x) : -1;
+    blocks[b] = block >= 0 && block < p.num_blocks ? block : -1;
+  }
+  return make_int2(blocks[0], blocks[1]);
+}
+
+// Keys of one 16-key run: the byte offset of its first (key, head) entry's codes and of its scales, relative to the
+// cache side; -1 when it has no block. Block sizes a multiple of 16 use the run's block read ahead (`block`); others
+// read the table for the run's key `key` (all four V keys of a lane share a block when the scales are swizzled,
+// which needs block sizes a multiple of 4).
+struct RunBase {
+  int64_t data, scales;
+};
+
+__device__ __forceinline__ RunBase run_base(const Params& p, int block, int pos, int head, int data_bytes, int d) {
+  if (block < 0) return {-1, -1};
+  const int offset = block_position(p, pos).y;
+  const int entry = p.layout.hnd ? head * static_cast<int>(p.layout.block_size) + offset
+                                 : offset * static_cast<int>(p.layout.num_heads) + head;
+  const int64_t at = static_cast<int64_t>(block) * p.block_stride;
+  return {at + static_cast<int64_t>(entry) * (d / 2), at + data_bytes + static_cast<int64_t>(entry) * (d / 16)};
+}
+
+__device__ __forceinline__ int table_block(const Params& p, const int32_t* table_row, int pos) {
+  const int block = __ldg(table_row + block_position(p, pos).x);
+  return block >= 0 && block < p.num_blocks ? block : -1;
+}
+
+// One lane's bytes of the chunk at `chunk_start` (keys outside [lo, hi) or without a block read as zeros).
+template <int D, bool SWIZZLE>
+__device__ __forceinline__ void load_chunk(DecodeChunk<D>& c, const Params& p, const LaneOffsets<D, SWIZZLE>& lane,
+                                           const int32_t* table_row, int2 blocks, int head, int chunk_start, int lo,
+                                           int hi) {
+  using S = DecodeShape<D>;
+  const int g = (threadIdx.x % WARP) >> 2, t = threadIdx.x & 3, sigma = 2 * g - (g & 1);
+  const int data_bytes = static_cast<int>(p.layout.data_region_bytes());
+  const bool runs = p.layout.block_size % 16 == 0;  // a 16-key run never crosses a block
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    const int run = chunk_start + 16 * b;
+    const RunBase base = runs ? run_base(p, b ? blocks.y : blocks.x, run, head, data_bytes, D) : RunBase{0, 0};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int pos = run + sigma + 2 * r;
+      RunBase at = {base.data + lane.k_data[r], base.scales + lane.k_scales[r]};
+      if (!runs && pos >= lo && pos < hi) {  // this key's own block and entry
+        at = run_base(p, table_block(p, table_row, pos), pos, head, data_bytes, D);
+        if (at.data >= 0) at = {at.data + S::K_BYTES * t, at.scales + S::K_SCALES * t};
+      }
+      if (pos >= lo && pos < hi && (runs ? base.data : at.data) >= 0) {
+        load_words<S::K_BYTES>(c.k[b][r], p.key_cache + at.data);
+        c.k_scales[b][r] = load_small<S::K_SCALES>(p.key_cache + at.scales);
+      } else {
+#pragma unroll
+        for (int u = 0; u < S::K_WORDS; ++u) c.k[b][r][u] = 0;
+        c.k_scales[b][r] = 0;
+      }
+    }
+    // V: keys run + 4t + i. Without runs, the four keys' blocks and entries are read key by key.
+    RunBase key_at[4];
+    uint32_t valid = 0;  // bit i: key 4t + i is read
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int pos = run + 4 * t + i;
+      const bool in_range = pos >= lo && pos < hi;
+      if (runs) {
+        key_at[i] = {base.data + lane.v_data[i], base.scales};
+        if (in_range && base.data >= 0) valid |= 1u << i;
+      } else {
+        key_at[i] = in_range ? run_base(p, table_block(p, table_row, pos), pos, head, data_bytes, D) : RunBase{-1, -1};
+        if (key_at[i].data >= 0) {
+          valid |= 1u << i;
+          key_at[i].data += S::V_BYTES * g;
+        }
+      }
+      if (valid >> i & 1u) {
+        load_words<S::V_BYTES>(c.v[b][i], p.value_cache + key_at[i].data);
+      } else {
+#pragma unroll
+        for (int u = 0; u < S::V_WORDS; ++u) c.v[b][i][u] = 0;
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < S::V_GROUPS; ++q) {
+      uint32_t bytes = 0;
+      if constexpr (SWIZZLE) {
+        // The word of the four keys' bytes sits in the scale row of key 4t + group / quarter of their block.
+        int64_t row = -1;
+        if (runs && base.data >= 0) row = base.scales + lane.v_scales[0][q];
+        if (!runs && valid) {
+          const int first = run + 4 * t;
+          const RunBase at = run_base(p, table_block(p, table_row, first), first, head, data_bytes, D);
+          const int group = S::V_BYTES * 2 * g / 16 + q;
+          const int step = p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);
+          if (at.data >= 0) row = at.scales + (group / (D / 64)) * step * (D / 16) + (group % (D / 64)) * 4;
+        }
+        if (valid && row >= 0) {
+          bytes = __ldg(reinterpret_cast<const uint32_t*>(p.value_cache + row));
+          // A key outside the range has zero codes, but its scale byte may be anything (NaN · 0 is NaN): zero it.
+          bytes &= (valid & 1u ? 0xFFu : 0u) | (valid & 2u ? 0xFF00u : 0u) | (valid & 4u ? 0xFF0000u : 0u) |
+                   (valid & 8u ? 0xFF000000u : 0u);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          if (!(valid >> i & 1u)) continue;
+          const int group = S::V_BYTES * 2 * g / 16 + q;
+          const int64_t at = runs ? base.scales + lane.v_scales[i][q] : key_at[i].scales + group;
+          bytes |= static_cast<uint32_t>(__ldg(p.value_cache + at)) << (8 * i);
+        }
+      }
+      c.v_scales[b][q] = bytes;
+    }
+  }
+}
+
+// Two E4M3 scale bytes as float16 pairs (s0, s0) and (s1, s1).
+__device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, uint32_t& s1) {
+  const uint32_t h = scale_pair(two_bytes & 0xFFFFu);
+  s0 = __byte_perm(h, h, 0x1010);
+  s1 = __byte_perm(h, h, 0x3232);
+}
+
+// Three CTAs an SM where the registers allow (168 a thread), two for the wide cases (head 256, or 16 query rows).
+template <int D, int NB, bool SWIZZLE, typename T>
+__global__ void __launch_bounds__(DECODE_THREADS, D * NB >= 256 ? 2 : 3) nvfp4_paged_decode_kernel(Params p) {
+  using S = DecodeShape<D>;
+  constexpr int QROWS = 8 * NB;
+  __shared__ float merge_m[DECODE_WARPS][QROWS], merge_l[DECODE_WARPS][QROWS];
+  extern __shared__ float merge_o[];  // [DECODE_WARPS][QROWS][D]
+
+  const int head = blockIdx.x, split = blockIdx.y, request = blockIdx.z;
+  const int q_start = __ldg(p.query_start_loc + request);
+  const int num_q = __ldg(p.query_start_loc + request + 1) - q_start;
+  const int seq_len = __ldg(p.seq_lens + request);
+  const int num_rows = num_q * p.group;
+  if (num_rows == 0) return;
+  const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
+  const int g = lane >> 2, t = lane & 3;
+
+  // The CTA's keys: from the first key its rows' windows reach (whole chunks), to the context's end.
+  const int first_query_pos = seq_len - num_q;
+  const int kv_lo = p.sliding_window > 0 ? max(0, first_query_pos - p.sliding_window + 1) : 0;
+  const int chunk0 = kv_lo / DECODE_CHUNK;
+  const int chunks = max(0, (seq_len + DECODE_CHUNK - 1) / DECODE_CHUNK - chunk0);
+  const int chunk_begin = split * p.tiles_per_split;
+  const int chunk_end = split == p.num_splits - 1 ? chunks : min(chunks, chunk_begin + p.tiles_per_split);
+
+  // Query rows as B fragments (row g of each n8 block, this lane's channel quarter t), scaled per row by a power
+  // of two into float16's range; the logit scale and visible range of the two rows (2t, 2t + 1) whose S^T
+  // columns this lane holds.
+  uint32_t qb[NB][S::KSTEPS][2];
+  float row_scale[NB][2];
+  int row_lo[NB][2], row_hi[NB][2];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) {
+    const int row = nb * 8 + g;
+    const bool valid = row < num_rows;
+    const int token = valid ? row / p.group : 0;
+    const int q_head = head * p.group + (valid ? row % p.group : 0);
+    const T* src = static_cast<const T*>(p.query) + (q_start + token) * p.q_token_stride + q_head * p.q_head_stride +
+                   t * (D / 4);
+    const auto loaded = load_elements<D / 4, true>(src);
+    float q[D / 4], amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) {
+      q[i] = valid ? to_float(loaded.x[i]) : 0.0f;
+      amax = fmaxf(amax, fabsf(q[i]));
+    }
+    amax = quad_max(amax);
+    int exponent = 0;
+    if (amax > 0.0f) frexpf(amax, &exponent);
+    const int shift = min(127, 15 - exponent);
+    const float up = ldexpf(1.0f, shift);
+    const float own_scale = p.logit_scale * __ldg(p.k_scale) * CODE_UNIT * ldexpf(1.0f, -shift);
+#pragma unroll
+    for (int j = 0; j < S::KSTEPS; ++j) {
+      const int base = 8 * (j >> 1) + 2 * (j & 1);
+      qb[nb][j][0] = pack_half2(q[base] * up, q[base + 4] * up);
+      qb[nb][j][1] = pack_half2(q[base + 1] * up, q[base + 5] * up);
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = nb * 8 + 2 * t + e;
+      row_scale[nb][e] = __shfl_sync(0xffffffffu, own_scale, 4 * (2 * t + e));
+      const int pos = first_query_pos + col / p.group;
+      row_hi[nb][e] = col >= num_rows ? 0 : p.causal ? pos + 1 : seq_len;
+      row_lo[nb][e] = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
+    }
+  }
+
+  float o[NB][S::MBLOCKS][4];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int mb = 0; mb < S::MBLOCKS; ++mb) o[nb][mb][0] = o[nb][mb][1] = o[nb][mb][2] = o[nb][mb][3] = 0.0f;
+  float m[NB][2], l[NB][2];
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb) m[nb][0] = m[nb][1] = -INFINITY, l[nb][0] = l[nb][1] = 0.0f;
+  const int sigma = 2 * g - (g & 1);
+
+  auto attend = [&](const DecodeChunk<D>& c, int chunk_start) {
+    float s[2][NB][4];
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) s[b][nb][0] = s[b][nb][1] = s[b][nb][2] = s[b][nb][3] = 0.0f;
+      uint32_t sf[2][4];  // [key][scale byte], splatted
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        scale_splat(c.k_scales[b][r], sf[r][0], sf[r][1]);
+        if constexpr (S::K_SCALES == 4) scale_splat(c.k_scales[b][r] >> 16, sf[r][2], sf[r][3]);
+      }
+#pragma unroll
+      for (int u = 0; u < S::K_WORDS; ++u) {
+        const uint32_t w0 = c.k[b][0][u], w1 = c.k[b][1][u];
+        const uint32_t f0 = sf[0][u >> 1], f1 = sf[1][u >> 1];
+        const uint32_t a0[4] = {hmul2(code_pair<0>(w0), f0), hmul2(code_pair<0>(w1), f1), hmul2(code_pair<1>(w0), f0),
+                                hmul2(code_pair<1>(w1), f1)};
+        const uint32_t a1[4] = {hmul2(code_pair<2>(w0), f0), hmul2(code_pair<2>(w1), f1), hmul2(code_pair<3>(w0), f0),
+                                hmul2(code_pair<3>(w1), f1)};
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+          mma_f16(s[b][nb], a0, qb[nb][2 * u][0], qb[nb][2 * u][1]);
+          mma_f16(s[b][nb], a1, qb[nb][2 * u + 1][0], qb[nb][2 * u + 1][1]);
+        }
+      }
+    }
+    // Online softmax (log2 domain) of rows 2t + e: this lane's keys σ(g) and σ(g) + 2 of both 16-key blocks.
+    bool rescale = false;
+    float alpha[NB][2];
+#pragma unroll
+    for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float chunk_max = -INFINITY;
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int pos = chunk_start + 16 * b + sigma + 2 * r;
+            float x = s[b][nb][2 * r + e] * row_scale[nb][e];
+            if (p.soft_cap_log2 > 0.0f) x = p.soft_cap_log2 * tanhf(x / p.soft_cap_log2);
+            x = pos >= row_lo[nb][e] && pos < row_hi[nb][e] ? x : -INFINITY;
+            s[b][nb][2 * r + e] = x;
+            chunk_max = fmaxf(chunk_max, x);
+          }
+#pragma unroll
+        for (int lanes = 4; lanes < WARP; lanes *= 2)
+          chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, lanes));
+        const float m_new = fmaxf(m[nb][e], chunk_max);
+        const float base = m_new == -INFINITY ? 0.0f : m_new;
+        alpha[nb][e] = fast_exp2(m[nb][e] - base);
+        rescale |= alpha[nb][e] != 1.0f;
+        m[nb][e] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int b = 0; b < 2; ++b)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float pr = fast_exp2(s[b][nb][2 * r + e] - base);
+            s[b][nb][2 * r + e] = pr;
+            sum += pr;
+          }
+        l[nb][e] = l[nb][e] * alpha[nb][e] + sum;
+      }
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+        for (int mb = 0; mb < S::MBLOCKS; ++mb) {
+          o[nb][mb][0] *= alpha[nb][0];
+          o[nb][mb][1] *= alpha[nb][1];
+          o[nb][mb][2] *= alpha[nb][0];
+          o[nb][mb][3] *= alpha[nb][1];
+        }
+    }
+    // O^T += V^T · P^T per 16-key block: P^T's fragments are S^T's transposed; V^T's k pairs are keys
+    // (4t, 4t + 1) and (4t + 2, 4t + 3), interleaved from two keys' code words by byte permutes.
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+      uint32_t pb[NB][2];
+#pragma unroll
+      for (int nb = 0; nb < NB; ++nb) {
+        pb[nb][0] = transpose_8x8(pack_half2(s[b][nb][0], s[b][nb][1]));
+        pb[nb][1] = transpose_8x8(pack_half2(s[b][nb][2], s[b][nb][3]));
+      }
+#pragma unroll
+      for (int u = 0; u < S::V_WORDS; ++u) {
+        const uint32_t scales = c.v_scales[b][u >> 1];
+        const uint32_t sf01 = scale_pair(scales & 0xFFFFu), sf23 = scale_pair(scales >> 16);
+        const uint32_t halves[2][2] = {
+            {__byte_perm(c.v[b][0][u], c.v[b][1][u], 0x5410), __byte_perm(c.v[b][2][u], c.v[b][3][u], 0x5410)},
+            {__byte_perm(c.v[b][0][u], c.v[b][1][u], 0x7632), __byte_perm(c.v[b][2][u], c.v[b][3][u], 0x7632)}};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t x01 = halves[h][0], x23 = halves[h][1];
+          // Codes 8u + 4h + I of the eighth: m-block 4u + 2h + I / 2, row g + 8 (I % 2).
+          const uint32_t a0[4] = {hmul2(code_pair<0>(x01), sf01), hmul2(code_pair<1>(x01), sf01),
+                                  hmul2(code_pair<0>(x23), sf23), hmul2(code_pair<1>(x23), sf23)};
+          const uint32_t a1[4] = {hmul2(code_pair<2>(x01), sf01), hmul2(code_pair<3>(x01), sf01),
+                                  hmul2(code_pair<2>(x23), sf23), hmul2(code_pair<3>(x23), sf23)};
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb) {
+            mma_f16(o[nb][4 * u + 2 * h], a0, pb[nb][0], pb[nb][1]);
+            mma_f16(o[nb][4 * u + 2 * h + 1], a1, pb[nb][0], pb[nb][1]);
+          }
+        }
+      }
+    }
+  };
+
+  // Each warp: its chunks' bytes loaded one chunk ahead of their use, their blocks read two chunks ahead.
+  const int32_t* table_row = p.block_table + static_cast<int64_t>(request) * p.table_stride;
+  const LaneOffsets<D, SWIZZLE> offsets(p);
+  const int mine = chunk_begin + warp < chunk_end ? (chunk_end - chunk_begin - warp + DECODE_WARPS - 1) / DECODE_WARPS : 0;
+  auto chunk_start = [&](int i) { return (chunk0 + chunk_begin + warp + i * DECODE_WARPS) * DECODE_CHUNK; };
+  const bool runs = p.layout.block_size % 16 == 0;
+  auto blocks_of = [&](int i) {
+    return runs && i < mine ? chunk_blocks(p, table_row, chunk_start(i), seq_len) : make_int2(-1, -1);
+  };
+  DecodeChunk<D> even, odd;
+  int2 next_blocks = blocks_of(1);
+  if (mine > 0) load_chunk<D, SWIZZLE>(even, p, offsets, table_row, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
+  for (int i = 0; i < mine; i += 2) {
+    int2 later = blocks_of(i + 2);
+    if (i + 1 < mine)
+      load_chunk<D, SWIZZLE>(odd, p, offsets, table_row, next_blocks, head, chunk_start(i + 1), kv_lo, seq_len);
+    next_blocks = later;
+    attend(even, chunk_start(i));
+    if (i + 1 >= mine) break;
+    later = blocks_of(i + 3);
+    if (i + 2 < mine)
+      load_chunk<D, SWIZZLE>(even, p, offsets, table_row, next_blocks, head, chunk_start(i + 2), kv_lo, seq_len);
+    next_blocks = later;
+    attend(odd, chunk_start(i + 1));
+  }
+
+  // Merge the four warps: each publishes its rows' max, sum and unnormalized output (channel (D/8) g + c holds
+  // code c of the lane's eighth: c = 2 mb + 1 for the fragment's rows g + 8).
+#pragma unroll
+  for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int lanes = 4; lanes < WARP; lanes *= 2) l[nb][e] += __shfl_xor_sync(0xffffffffu, l[nb][e], lanes);
+      const int row = nb * 8 + 2 * t + e;
+      if (g == 0) merge_m[warp][row] = m[nb][e], merge_l[warp][row] = l[nb][e];
+      float* dst = merge_o + (warp * QROWS + row) * D + (D / 8) * g;
+#pragma unroll
+      for (int mb = 0; mb < S::MBLOCKS; ++mb) dst[2 * mb] = o[nb][mb][e], dst[2 * mb + 1] = o[nb][mb][2 + e];
+    }
+  __syncthreads();
+  const float out_scale = __ldg(p.v_scale) * CODE_UNIT;
+  for (int i = threadIdx.x; i < QROWS * D; i += DECODE_THREADS) {
+    const int row = i / D, d = i % D;
+    if (row >= num_rows) break;
+    float m_all = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < DECODE_WARPS; ++w) m_all = fmaxf(m_all, merge_m[w][row]);
+    const int token = q_start + row / p.group, q_head = head * p.group + row % p.group;
+    float sum = 0.0f, acc = 0.0f;
+    if (m_all != -INFINITY) {
+#pragma unroll
+      for (int w = 0; w < DECODE_WARPS; ++w) {
+        const float weight = fast_exp2(merge_m[w][row] - m_all);
+        sum += merge_l[w][row] * weight;
+        acc += merge_o[(w * QROWS + row) * D + d] * weight;
+      }
+    }
+    if (p.num_splits == 1) {
+      if (p.sinks != nullptr) add_sink(__ldg(p.sinks + q_head), m_all, sum, acc);
+      from_float(sum > 0.0f ? acc / sum * out_scale : 0.0f,
+                 static_cast<T*>(p.out) + token * p.out_token_stride + q_head * p.out_head_stride + d);
+    } else {
+      const int64_t at = (static_cast<int64_t>(split) * p.num_tokens + token) * p.layout.num_heads * p.group + q_head;
+      p.partial_out[at * D + d] = sum > 0.0f ? acc / sum * out_scale : 0.0f;
+      if (d == 0) p.partial_lse[at] = sum > 0.0f ? m_all + __log2f(sum) : -INFINITY;
     }
   }
 }
@@ -533,7 +1046,8 @@ template <int D, typename T>
 __global__ void __launch_bounds__(ATTN_THREADS)
     combine_splits_kernel(const float* __restrict__ partial_out, const float* __restrict__ partial_lse, int num_splits,
                           int64_t num_tokens, int q_heads, const int32_t* __restrict__ query_start_loc, int num_reqs,
-                          T* __restrict__ out, int64_t out_token_stride, int64_t out_head_stride) {
+                          const float* __restrict__ sinks, T* __restrict__ out, int64_t out_token_stride,
+                          int64_t out_head_stride) {
   const int64_t pair = static_cast<int64_t>(blockIdx.x) * ATTN_WARPS + threadIdx.x / WARP;
   const int lane = threadIdx.x % WARP;
   const int64_t token = pair / q_heads;
@@ -558,7 +1072,9 @@ __global__ void __launch_bounds__(ATTN_THREADS)
       for (int c = 0; c < COLS; ++c) acc[c] += w * __ldg(src + s * split_stride * D + c);
     }
   }
-  const float inv = weight > 0.0f ? 1.0f / weight : 0.0f;
+  float keep = 1.0f;
+  if (sinks != nullptr) add_sink(__ldg(sinks + head), lse_max, weight, keep);
+  const float inv = weight > 0.0f ? keep / weight : 0.0f;
   T* dst = out + token * out_token_stride + head * out_head_stride + lane * COLS;
 #pragma unroll
   for (int c = 0; c < COLS; ++c) from_float(acc[c] * inv, dst + c);
@@ -566,89 +1082,25 @@ __global__ void __launch_bounds__(ATTN_THREADS)
 
 // --- host side ----------------------------------------------------------------------------------------
 
-std::string shape_text(const Tensor& t) {
-  std::string s = "[";
-  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
-  return s + "]";
-}
-
-void check_on(const char* op, const char* name, const Tensor& t, const Tensor& query) {
-  NVFP4_CHECK(t.device() == query.device(), op, ": ", name,
-              ": must be on query's device (cuda:", query.get_device_index(), ")");
-}
-
-void check_int32_vector(const char* op, const char* name, const Tensor& t, int64_t size, const Tensor& query) {
-  NVFP4_CHECK(t.scalar_type() == ScalarType::Int, op, ": ", name, ": dtype must be int32, got ", t.scalar_type());
-  NVFP4_CHECK(t.dim() == 1 && t.size(0) == size && (size <= 1 || t.stride(0) == 1), op, ": ", name,
-              ": must be a contiguous 1-D tensor of ", size, " elements, got shape ", shape_text(t));
-  check_on(op, name, t, query);
-}
-
-// Argument checks of the CUDA op; returns the cache layout. Rules as in the op's docstring (ops.py).
-NVFP4PageLayout check_paged_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                                      const Tensor& block_table, const Tensor& query_start_loc, const Tensor& seq_lens,
-                                      const Tensor& k_scale, const Tensor& v_scale, bool swizzle_v_scales,
-                                      int64_t max_query_len, int64_t max_seq_len, const Tensor& out) {
+// The shared argument checks (checks.h) plus what the CUDA kernels add: 16-bit queries and 16-byte alignment.
+NVFP4PageLayout check_cuda_paged_attention(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                                           const Tensor& block_table, const Tensor& query_start_loc,
+                                           const Tensor& seq_lens, const Tensor& k_scale, const Tensor& v_scale,
+                                           bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len,
+                                           const Tensor& out, int64_t sliding_window, double logits_soft_cap,
+                                           const std::optional<Tensor>& sinks) {
   const char* op = "nvfp4_paged_attention";
+  const NVFP4PageLayout layout =
+      check_nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale,
+                                  v_scale, swizzle_v_scales, max_query_len, max_seq_len, out);
+  check_attention_features(sliding_window, logits_soft_cap, sinks, query);
   NVFP4_CHECK(query.scalar_type() == ScalarType::BFloat16 || query.scalar_type() == ScalarType::Half, op,
-              ": query: dtype must be bfloat16 or float16, got ", query.scalar_type());
-  NVFP4_CHECK(query.dim() == 3 && query.stride(2) == 1, op,
-              ": query: must be 3-D [num_tokens, num_q_heads, head_size] with a contiguous head dim, got shape ",
-              shape_text(query));
-  NVFP4_CHECK(key_cache.scalar_type() == ScalarType::Byte && key_cache.dim() == 4, op,
-              ": key_cache: must be uint8 [num_blocks, block_size, num_kv_heads, head_size/2 + head_size/16], got ",
-              key_cache.scalar_type(), " of shape ", shape_text(key_cache));
-  const int64_t block_size = key_cache.size(1), num_heads = key_cache.size(2), full_dim = key_cache.size(3);
-  const int64_t head_size = full_dim / 9 * 16;
-  NVFP4_CHECK(full_dim % 9 == 0 && (head_size == 64 || head_size == 128 || head_size == 256), op,
-              ": key_cache: last dim ", full_dim, " must be head_size/2 + head_size/16 for head_size 64, 128 or 256");
-  NVFP4_CHECK(block_size > 0 && num_heads > 0, op, ": key_cache: block size and head count must be positive");
-  const bool hnd = key_cache.stride(2) > key_cache.stride(1);
-  const NVFP4PageLayout layout{head_size, block_size, num_heads, hnd, swizzle_v_scales};
-  const int inner = hnd ? 1 : 2, outer = hnd ? 2 : 1;
-  NVFP4_CHECK(key_cache.stride(3) == 1 && (key_cache.size(inner) == 1 || key_cache.stride(inner) == full_dim) &&
-                  (key_cache.size(outer) == 1 || key_cache.stride(outer) == full_dim * key_cache.size(inner)) &&
-                  (key_cache.size(0) <= 1 || key_cache.stride(0) >= layout.side_bytes()),
-              op, ": key_cache: each block side must be contiguous NHD or HND bytes, got shape ",
-              shape_text(key_cache));
+              ": query: dtype must be bfloat16 or float16 on CUDA, got ", query.scalar_type());
   NVFP4_CHECK(aligned(key_cache.const_data_ptr(), 16) && aligned(value_cache.const_data_ptr(), 16) &&
-                  key_cache.stride(0) % 16 == 0,
+                  (key_cache.size(0) <= 1 || key_cache.stride(0) % 16 == 0),
               op, ": key_cache: block sides must start on 16-byte boundaries (pointer and block stride)");
-  if (swizzle_v_scales)
-    NVFP4_CHECK(block_size % 4 == 0, op, ": key_cache: block size ", block_size,
-                " is not a multiple of 4, which swizzle_v_scales needs");
-  bool same_geometry = value_cache.scalar_type() == ScalarType::Byte && value_cache.dim() == 4;
-  for (int64_t d = 0; same_geometry && d < 4; ++d)
-    same_geometry = value_cache.size(d) == key_cache.size(d) && value_cache.stride(d) == key_cache.stride(d);
-  NVFP4_CHECK(same_geometry, op, ": value_cache: must be uint8 with key_cache's shape ", shape_text(key_cache),
-              " and strides, got shape ", shape_text(value_cache));
-  NVFP4_CHECK(query.size(2) == head_size && query.size(1) % num_heads == 0 && query.size(1) > 0, op, ": query: shape ",
-              shape_text(query), " must be [num_tokens, a multiple of ", num_heads, " heads, ", head_size, "]");
   NVFP4_CHECK(aligned(query.const_data_ptr(), 16) && (query.stride(0) * 2) % 16 == 0 && (query.stride(1) * 2) % 16 == 0,
               op, ": query: data pointer and strides must be 16-byte aligned");
-  NVFP4_CHECK(out.scalar_type() == query.scalar_type() && out.dim() == 3 && out.size(0) == query.size(0) &&
-                  out.size(1) == query.size(1) && out.size(2) == head_size && out.stride(2) == 1,
-              op, ": out: must have query's dtype and shape ", shape_text(query), " with a contiguous head dim, got ",
-              out.scalar_type(), " of shape ", shape_text(out));
-  const int64_t num_reqs = seq_lens.size(0);
-  check_int32_vector(op, "seq_lens", seq_lens, seq_lens.dim() == 1 ? seq_lens.size(0) : -1, query);
-  check_int32_vector(op, "query_start_loc", query_start_loc, num_reqs + 1, query);
-  NVFP4_CHECK(block_table.scalar_type() == ScalarType::Int && block_table.dim() == 2 &&
-                  block_table.size(0) >= num_reqs && (block_table.size(1) <= 1 || block_table.stride(1) == 1),
-              op, ": block_table: must be int32 [>= num_reqs, max_blocks] with contiguous rows, got ",
-              block_table.scalar_type(), " of shape ", shape_text(block_table));
-  check_on(op, "block_table", block_table, query);
-  check_on(op, "key_cache", key_cache, query);
-  check_on(op, "value_cache", value_cache, query);
-  check_on(op, "out", out, query);
-  for (const auto& [name, scale] :
-       {std::pair<const char*, const Tensor*>{"k_scale", &k_scale}, {"v_scale", &v_scale}}) {
-    NVFP4_CHECK(scale->scalar_type() == ScalarType::Float && scale->numel() == 1, op, ": ", name,
-                ": must hold one float32 (the layer's global scale)");
-    check_on(op, name, *scale, query);
-  }
-  NVFP4_CHECK(max_query_len >= 0 && max_seq_len >= 0, op, ": max_query_len and max_seq_len must be >= 0, got ",
-              max_query_len, " and ", max_seq_len);
   return layout;
 }
 
@@ -661,6 +1113,63 @@ int multiprocessors(int device) {
   return count[device];
 }
 
+// The most keys one request's rows can see: its context, or its query span plus the window.
+int64_t visible_keys_bound(const Params& p, int64_t max_query_len, int64_t max_seq_len) {
+  return p.sliding_window > 0 ? std::min(max_seq_len, max_query_len + p.sliding_window - 1) : max_seq_len;
+}
+
+// Allocates the split-KV partials when there is more than one split.
+void plan_partials(Params& p, int64_t splits, const Tensor& query, Tensor& partial_out, Tensor& partial_lse, int d) {
+  p.num_splits = static_cast<int>(splits);
+  if (splits == 1) return;
+  const int64_t q_heads = query.size(1);
+  partial_out = torch::stable::new_empty(query, {splits, p.num_tokens, q_heads, d}, ScalarType::Float);
+  partial_lse = torch::stable::new_empty(query, {splits, p.num_tokens, q_heads}, ScalarType::Float);
+  p.partial_out = partial_out.mutable_data_ptr<float>();
+  p.partial_lse = partial_lse.mutable_data_ptr<float>();
+}
+
+template <int D, typename T>
+void launch_combine(const Params& p, int64_t num_reqs, int64_t q_heads, const Tensor& query_start_loc,
+                    cudaStream_t stream) {
+  const int64_t pairs = p.num_tokens * q_heads;
+  combine_splits_kernel<D, T><<<static_cast<unsigned>((pairs + ATTN_WARPS - 1) / ATTN_WARPS), ATTN_THREADS, 0, stream>>>(
+      p.partial_out, p.partial_lse, p.num_splits, p.num_tokens, static_cast<int>(q_heads),
+      query_start_loc.const_data_ptr<int32_t>(), static_cast<int>(num_reqs), p.sinks, static_cast<T*>(p.out),
+      p.out_token_stride, p.out_head_stride);
+  check_launch("nvfp4_paged_attention (combine)");
+}
+
+// The decode kernel: one CTA per (KV head, split, request); splits fill the GPU twice over, each at least 8 chunks.
+template <int D, int NB, bool SWIZZLE, typename T>
+void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
+                   const Tensor& query_start_loc, cudaStream_t stream) {
+  auto kernel = nvfp4_paged_decode_kernel<D, NB, SWIZZLE, T>;
+  const int smem_bytes = DECODE_WARPS * 8 * NB * D * static_cast<int>(sizeof(float));
+  static const bool smem_set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                    smem_bytes) == cudaSuccess;
+  NVFP4_CHECK(smem_set, "nvfp4_paged_attention: cannot reserve the decode kernel's shared memory");
+  int per_sm = 0;
+  NVFP4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, DECODE_THREADS, smem_bytes) == cudaSuccess,
+              "nvfp4_paged_attention: occupancy query failed");
+  const int64_t resident = std::max(1, per_sm) * static_cast<int64_t>(multiprocessors(query.get_device_index()));
+  const int64_t ctas = num_reqs * p.layout.num_heads;
+  const int64_t chunk_bound = std::max<int64_t>(
+      1, (visible_keys_bound(p, max_query_len, max_seq_len) + DECODE_CHUNK - 1) / DECODE_CHUNK + 1);
+  int64_t splits = std::clamp<int64_t>((2 * resident + ctas - 1) / ctas, 1, std::max<int64_t>(1, chunk_bound / 8));
+  p.tiles_per_split = static_cast<int>((chunk_bound + splits - 1) / splits);
+  splits = (chunk_bound + p.tiles_per_split - 1) / p.tiles_per_split;
+  Tensor partial_out, partial_lse;
+  plan_partials(p, splits, query, partial_out, partial_lse, D);
+  NVFP4_CHECK(num_reqs <= 65535 && splits <= 65535, "nvfp4_paged_attention: ", num_reqs,
+              " requests exceed the launch grid (at most 65535)");
+  const dim3 grid(static_cast<unsigned>(p.layout.num_heads), static_cast<unsigned>(splits),
+                  static_cast<unsigned>(num_reqs));
+  kernel<<<grid, DECODE_THREADS, smem_bytes, stream>>>(p);
+  check_launch("nvfp4_paged_attention (decode)");
+  if (splits > 1) launch_combine<D, T>(p, num_reqs, query.size(1), query_start_loc, stream);
+}
+
 template <int D, int WARPS_M, typename T>
 void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
             const Tensor& query_start_loc, const Tensor& out, cudaStream_t stream) {
@@ -669,7 +1178,7 @@ void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_
   const int smem_bytes = G::STAGES * G::STAGE_BYTES;
   const int64_t row_tiles = std::max<int64_t>(1, (max_query_len * p.group + 16 * WARPS_M - 1) / (16 * WARPS_M));
   const int64_t ctas = num_reqs * p.layout.num_heads * row_tiles;
-  const int64_t tile_bound = std::max<int64_t>(1, (max_seq_len + TILE - 1) / TILE);
+  const int64_t tile_bound = std::max<int64_t>(1, (visible_keys_bound(p, max_query_len, max_seq_len) + TILE - 1) / TILE + 1);
   int per_sm = 0;
   NVFP4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, ATTN_THREADS, smem_bytes) == cudaSuccess,
               "nvfp4_paged_attention: occupancy query failed");
@@ -678,38 +1187,30 @@ void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_
   int64_t splits = std::clamp<int64_t>((2 * resident + ctas - 1) / ctas, 1, std::max<int64_t>(1, tile_bound / 4));
   p.tiles_per_split = static_cast<int>((tile_bound + splits - 1) / splits);
   splits = (tile_bound + p.tiles_per_split - 1) / p.tiles_per_split;
-  p.num_splits = static_cast<int>(splits);
-  const int64_t q_heads = query.size(1);
   Tensor partial_out, partial_lse;
-  if (splits > 1) {
-    partial_out = torch::stable::new_empty(query, {splits, p.num_tokens, q_heads, D}, ScalarType::Float);
-    partial_lse = torch::stable::new_empty(query, {splits, p.num_tokens, q_heads}, ScalarType::Float);
-    p.partial_out = partial_out.mutable_data_ptr<float>();
-    p.partial_lse = partial_lse.mutable_data_ptr<float>();
-  }
+  plan_partials(p, splits, query, partial_out, partial_lse, D);
   NVFP4_CHECK(num_reqs <= 65535 && row_tiles * p.layout.num_heads <= INT32_MAX, "nvfp4_paged_attention: ", num_reqs,
               " requests exceed the launch grid (at most 65535)");
   const dim3 grid(static_cast<unsigned>(row_tiles * p.layout.num_heads), static_cast<unsigned>(splits),
                   static_cast<unsigned>(num_reqs));
   kernel<<<grid, ATTN_THREADS, smem_bytes, stream>>>(p);
   check_launch("nvfp4_paged_attention");
-  if (splits > 1) {
-    const int64_t pairs = p.num_tokens * q_heads;
-    combine_splits_kernel<D, T>
-        <<<static_cast<unsigned>((pairs + ATTN_WARPS - 1) / ATTN_WARPS), ATTN_THREADS, 0, stream>>>(
-            p.partial_out, p.partial_lse, p.num_splits, p.num_tokens, static_cast<int>(q_heads),
-            query_start_loc.const_data_ptr<int32_t>(), static_cast<int>(num_reqs), static_cast<T*>(p.out),
-            p.out_token_stride, p.out_head_stride);
-    check_launch("nvfp4_paged_attention (combine)");
-  }
+  if (splits > 1) launch_combine<D, T>(p, num_reqs, query.size(1), query_start_loc, stream);
 }
 
 template <int D, typename T>
 void dispatch_rows(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
                    const Tensor& query_start_loc, const Tensor& out, cudaStream_t stream) {
   const int64_t rows = max_query_len * p.group;
-  if (rows <= 16)
-    launch<D, 1, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+  const bool swizzle = p.layout.swizzle_v_scales;
+  if (rows <= 8 && swizzle)
+    launch_decode<D, 1, true, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
+  else if (rows <= 8)
+    launch_decode<D, 1, false, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
+  else if (rows <= 16 && swizzle)
+    launch_decode<D, 2, true, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
+  else if (rows <= 16)
+    launch_decode<D, 2, false, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
   else if (rows <= 32)
     launch<D, 2, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
   else
@@ -721,12 +1222,9 @@ void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, co
                                 const Tensor& k_scale, const Tensor& v_scale, double scale, bool causal,
                                 bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len, Tensor& out,
                                 int64_t sliding_window, double logits_soft_cap, const std::optional<Tensor>& sinks) {
-  const NVFP4PageLayout layout =
-      check_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale,
-                            swizzle_v_scales, max_query_len, max_seq_len, out);
-  check_attention_features(sliding_window, logits_soft_cap, sinks, query);
-  NVFP4_CHECK(sliding_window == 0 && logits_soft_cap == 0.0 && !sinks.has_value(),
-              "nvfp4_paged_attention: sliding_window, logits_soft_cap and sinks are not implemented on CUDA yet");
+  const NVFP4PageLayout layout = check_cuda_paged_attention(
+      query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale, swizzle_v_scales,
+      max_query_len, max_seq_len, out, sliding_window, logits_soft_cap, sinks);
   const int64_t num_reqs = seq_lens.size(0);
   if (num_reqs == 0 || query.size(0) == 0 || max_query_len == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(query.get_device_index());
@@ -746,6 +1244,9 @@ void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, co
   p.v_scale = v_scale.const_data_ptr<float>();
   p.logit_scale = static_cast<float>(scale) * LOG2E;
   p.causal = causal;
+  p.sliding_window = static_cast<int>(std::min<int64_t>(sliding_window, INT32_MAX));
+  p.soft_cap_log2 = static_cast<float>(logits_soft_cap) * LOG2E;
+  p.sinks = sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr;
   p.layout = layout;
   p.block_shift = -1;
   for (int shift = 0; shift < 31; ++shift)

@@ -1,11 +1,11 @@
 """CUDA attention over the plugin's NVFP4 cache: the plugin's own kernel by default, FlashInfer as the alternatives.
 
-Decode readers (`CUDA_READERS`; "auto" picks fa2 where it can read the head size, else the plugin's kernel):
+Decode readers (`CUDA_READERS`, "plugin" the default):
 
 - "plugin": `ops.nvfp4_paged_attention`, one launch for a whole batch (decodes, prompts, chunks over cached
   prefixes), reading the NVFP4 pages directly; no host synchronisation, launch planned from the metadata's
   host-side length bounds, so it can be captured in a CUDA graph. Every head size (64, 128, 256). On the H200 it
-  decodes slower than fa2 (benchmarks/results/cuda_attention.md), hence not the "auto" choice where fa2 works.
+  decodes faster than fa2 over the same pages (benchmarks/results/cuda_attention.md).
 - "fa2": FlashInfer's fa2 tensor-core decode for the leading decode requests. FlashInfer (0.7) treats a uint8
   paged cache plus `kv_cache_sf` e4m3 block scales as NVFP4, on SM80, SM90 and SM120. It takes any
   page/token/head strides, so the data and scale regions of our `[DATA | SCALES]` sides are handed to it as
@@ -31,7 +31,7 @@ from .core import DequantWorkspace, paged_attention
 from .metadata import NVFP4AttentionMetadata
 
 SWIZZLE_V_SCALES = False  # fa2 and the core's gather both read linear V scales
-CUDA_READERS = ("auto", "plugin", "fa2")
+CUDA_READERS = ("plugin", "fa2")
 
 FA2_NVFP4_HEAD_SIZES = (128, 256)  # fa2 misreads NVFP4 at head 64
 FA2_NVFP4_ARCH_MAJORS = (8, 9, 12)  # SM8x, SM90, SM12x read NVFP4 with fa2 (SM100 uses trtllm-gen)

@@ -4,11 +4,9 @@ Thin over the vLLM-independent CUDA path (`attention.flashinfer_reader`): the bu
 core metadata; the impl stores with the plugin's op and attends. The decode reader is chosen by the environment
 variable `VLLM_NVFP4_CUDA_READER` (`resolved_reader`):
 
-- "auto" (default): "fa2" where FlashInfer's fa2 can read this head size on this GPU, else "plugin". On the H200
-  fa2 decodes faster than the plugin's kernel (benchmarks/results/cuda_attention.md).
-- "plugin": the plugin's `nvfp4_paged_attention` kernel. It needs no host sync and plans its launch from vLLM's
+- "plugin" (default): the plugin's `nvfp4_paged_attention` kernel. It needs no host sync and plans its launch from vLLM's
   host-side length bounds, so the builder declares CUDA-graph support for uniform single-token decode batches
-  (FULL graphs).
+  (FULL graphs). On the H200 it decodes faster than fa2 (benchmarks/results/cuda_attention.md).
 - "fa2": FlashInfer's fa2 decode for the leading decode requests (no CUDA graphs: its plan reads lengths on the
   host).
 
@@ -51,16 +49,14 @@ _WORKSPACE = DequantWorkspace()
 READER_ENV = "VLLM_NVFP4_CUDA_READER"
 
 
-def resolved_reader(head_size: int, device: torch.device) -> str:
-    """The decode reader `VLLM_NVFP4_CUDA_READER` selects ("auto" by default) for this head size on this device:
-    "plugin", "fa2" or, off CUDA, "core"; raises naming the allowed values."""
-    reader = os.environ.get(READER_ENV, "auto")
+def resolved_reader(device: torch.device) -> str:
+    """The decode reader `VLLM_NVFP4_CUDA_READER` selects ("plugin" by default) on this device: "plugin", "fa2"
+    or, off CUDA, "core"; raises naming the allowed values."""
+    reader = os.environ.get(READER_ENV, "plugin")
     if reader not in CUDA_READERS:
         raise ValueError(f"{READER_ENV} must be one of {CUDA_READERS}, got {reader!r}")
     if torch.device(device).type != "cuda":
         return "core"
-    if reader == "auto":
-        return "fa2" if flashinfer_decode_unavailable_reason(head_size, device) is None else "plugin"
     return reader
 
 
@@ -139,7 +135,7 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
             raise ValueError(f"the vllm_nvfp4_plugin CUSTOM backend serves NVFP4 KV caches only, got a "
                              f"{kv_cache_spec.kv_quant_mode} spec for layers {layer_names}")
         self._init_reorder_batch_threshold(1)  # decodes first: the decode reader takes the leading run
-        self._reader = resolved_reader(kv_cache_spec.head_size, device)
+        self._reader = resolved_reader(device)
         self._decoder: FlashInferNVFP4Decoder | None = None
         self._decode_params: tuple[int, torch.dtype, float] | None = None
         self._prefill: DequantPrefill | None = None
@@ -164,7 +160,7 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
     def get_cudagraph_support(cls, vllm_config: VllmConfig, kv_cache_spec: AttentionSpec) -> AttentionCGSupport:
         # The kernel's launch depends only on host-side bounds; the fa2 plan and the core read lengths on the host.
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        if resolved_reader(kv_cache_spec.head_size, device) == "plugin":
+        if resolved_reader(device) == "plugin":
             return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
         return AttentionCGSupport.NEVER
 
