@@ -3,8 +3,7 @@
 On every available device it runs each compiled op on small random inputs against the plain-torch reference
 (the cache ops bit for bit, NHD and HND, linear and swizzled V scales; the indexer logits within 1e-4 of the
 largest logit, as their float32 sums run in the kernel's own order), then writes an NVFP4 cache with the plugin's store
-and reads it back through the reader the attention backend uses there: FlashInfer's fa2 decode on a CUDA
-device it supports, the plugin's own gather elsewhere. The read-back is compared with exact float32 attention
+and reads it back through the plugin's paged-attention kernel, the default reader of both attention backends. The read-back is compared with exact float32 attention
 over the reference-dequantized cache. A last row reads a cache with swizzled V scales through the linear
 reader and must see the damage (a V-scale order mix-up corrupts V silently: docs/FORMATS.md §1), which proves
 the read-back check can fail.
@@ -23,8 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops, reference
-from ..attention.flashinfer_reader import (SWIZZLE_V_SCALES, FlashInferNVFP4Decoder,
-                                          flashinfer_decode_unavailable_reason)
+from ..attention.flashinfer_reader import SWIZZLE_V_SCALES
 from ..layout import IndexerCacheLayout, NVFP4PageLayout
 from .paged_case import PagedCase, fp32_attention, shuffled_block_table, table_slots
 
@@ -193,30 +191,19 @@ def _exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return fp32_attention(q.unsqueeze(0), k, v, 1 / math.sqrt(q.shape[-1]))[0]
 
 
-def _reader_name(device) -> str:
-    device = torch.device(device)
-    if flashinfer_decode_unavailable_reason(HEAD_SIZE, device) is None:
-        return "FlashInfer fa2 decode"
-    return "plugin gather"
+READER = "plugin paged attention"
 
 
 def _read_attention(device, w: dict, q: torch.Tensor, swizzle_read: bool) -> torch.Tensor:
-    """Decode attention of `q` `[batch, q_heads, d]` over the cache, through the backend's reader on `device`."""
-    cache, cu = w["cache"], w["cu"]
-    if _reader_name(device).startswith("FlashInfer"):
-        decoder = FlashInferNVFP4Decoder(device, w["layout"].hnd)
-        decoder.plan(w["table"].to(device), torch.tensor(SEQ_LENS, dtype=torch.int32), Q_HEADS, KV_HEADS, HEAD_SIZE,
-                     BLOCK_SIZE, torch.bfloat16, 1 / math.sqrt(HEAD_SIZE))
-        out = torch.empty_like(q)
-        decoder.run(q, cache[:, 0], cache[:, 1], K_SCALE, V_SCALE, out)
-        return out.float().cpu()
-    total = int(cu[-1])
-    k, v = (torch.empty(total, KV_HEADS, HEAD_SIZE, device=device) for _ in range(2))
-    ops.gather_nvfp4_kv_cache(cache[:, 0], cache[:, 1], w["table"].to(device), cu.to(device),
-                              w["scales"][0].to(device), w["scales"][1].to(device), swizzle_read, k, v)
-    k, v = k.cpu(), v.cpu()
-    return torch.stack([_exact_attention(q[b].cpu(), k[cu[b]:cu[b + 1]], v[cu[b]:cu[b + 1]])
-                        for b in range(len(SEQ_LENS))])
+    """Decode attention of `q` `[batch, q_heads, d]` over the cache through `nvfp4_paged_attention` on `device`."""
+    cache, table = w["cache"], w["table"].to(device)
+    query_start_loc = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=device)
+    out = torch.empty_like(q)
+    ops.nvfp4_paged_attention(q, cache[:, 0], cache[:, 1], table, query_start_loc, seq_lens,
+                              w["scales"][0].to(device), w["scales"][1].to(device), 1 / math.sqrt(HEAD_SIZE), True,
+                              swizzle_read, 1, max(SEQ_LENS), out)
+    return out.float().cpu()
 
 
 def _exact_read_back(w: dict, q: torch.Tensor, swizzle: bool) -> torch.Tensor:
@@ -240,7 +227,7 @@ def check_read_back(device, hnd: bool, gen: torch.Generator, written_swizzled: b
     got = _read_attention(device, w, q, SWIZZLE_V_SCALES)
     exact = _exact_read_back(w, q, written_swizzled)
     rel_l2 = ((got - exact).norm() / exact.norm()).item()
-    reader = _reader_name(device)
+    reader = READER
     if written_swizzled:
         return Row(str(device), f"{reader} misreads a swizzled-V cache", _layout_name(w["cache"][:, 0]),
                    "swizzled→linear", rel_l2 > 10 * READ_BACK_TOLERANCE,
@@ -292,10 +279,10 @@ def format_table(rows: list[Row]) -> str:
 
 def device_summary(device: str) -> str:
     if device == "cpu":
-        return f"cpu: torch {torch.__version__}; reader: {_reader_name(device)}"
+        return f"cpu: torch {torch.__version__}; reader: {READER}"
     props = torch.cuda.get_device_properties(device)
     return (f"{device}: {props.name} (SM{props.major}{props.minor}), torch {torch.__version__}; "
-            f"reader: {_reader_name(device)}; V scales written {_order(SWIZZLE_V_SCALES)}")
+            f"reader: {READER}; V scales written {_order(SWIZZLE_V_SCALES)}")
 
 
 def main(argv=None) -> int:
