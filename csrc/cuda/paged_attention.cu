@@ -159,9 +159,9 @@ struct Params {
   const float* v_scale;
   float logit_scale;  // scale · log2(e)
   bool causal;
-  int sliding_window;    // keys a query sees, 0: all
-  float soft_cap_log2;   // logits_soft_cap · log2(e), 0: no soft-cap
-  const float* sinks;    // [q_heads] sink logits, or null
+  int sliding_window;   // keys a query sees, 0: all
+  float soft_cap_log2;  // logits_soft_cap · log2(e), 0: no soft-cap
+  const float* sinks;   // [q_heads] sink logits, or null
   NVFP4PageLayout layout;
   int block_shift;  // log2(block_size) when a power of two, else -1
   int group;        // query heads per KV head
@@ -572,21 +572,21 @@ constexpr int DECODE_CHUNK = 32;  // keys of one warp iteration: two 16-key bloc
 
 template <int D>
 struct DecodeShape {
-  static constexpr int K_BYTES = D / 8;        // one lane's quarter of a K row
+  static constexpr int K_BYTES = D / 8;  // one lane's quarter of a K row
   static constexpr int K_WORDS = D / 32;
-  static constexpr int K_SCALES = D / 64;      // its block scales
-  static constexpr int V_BYTES = D / 16;       // one lane's eighth of a V row
+  static constexpr int K_SCALES = D / 64;  // its block scales
+  static constexpr int V_BYTES = D / 16;   // one lane's eighth of a V row
   static constexpr int V_WORDS = D / 64;
   static constexpr int V_GROUPS = D >= 256 ? D / 128 : 1;  // block-scale groups of that eighth
-  static constexpr int KSTEPS = D / 16;        // k16 steps of S^T
-  static constexpr int MBLOCKS = D / 16;       // m16 blocks of O^T
+  static constexpr int KSTEPS = D / 16;                    // k16 steps of S^T
+  static constexpr int MBLOCKS = D / 16;                   // m16 blocks of O^T
 };
 
 // One lane's raw bytes of one chunk.
 template <int D>
 struct DecodeChunk {
   uint32_t k[2][2][DecodeShape<D>::K_WORDS];       // [16-key block][key σ(g), σ(g) + 2][word]
-  uint32_t k_scales[2][2];                          // K_SCALES bytes each
+  uint32_t k_scales[2][2];                         // K_SCALES bytes each
   uint32_t v[2][4][DecodeShape<D>::V_WORDS];       // [16-key block][key 4t + i][word]
   uint32_t v_scales[2][DecodeShape<D>::V_GROUPS];  // byte i: key 4t + i
 };
@@ -615,9 +615,12 @@ __device__ __forceinline__ void load_words(uint32_t* dst, const uint8_t* src) {
 
 template <int BYTES>
 __device__ __forceinline__ uint32_t load_small(const uint8_t* src) {
-  if constexpr (BYTES == 1) return __ldg(src);
-  else if constexpr (BYTES == 2) return __ldg(reinterpret_cast<const uint16_t*>(src));
-  else return __ldg(reinterpret_cast<const uint32_t*>(src));
+  if constexpr (BYTES == 1)
+    return __ldg(src);
+  else if constexpr (BYTES == 2)
+    return __ldg(reinterpret_cast<const uint16_t*>(src));
+  else
+    return __ldg(reinterpret_cast<const uint32_t*>(src));
 }
 
 // This lane's byte offsets inside a 16-key run of one block (from the run's first (key, head) entry), in either
@@ -783,7 +786,7 @@ __device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, ui
 
 // Three CTAs an SM where the registers allow (168 a thread), two for the wide cases (head 256, or 16 query rows).
 template <int D, int NB, bool SWIZZLE, typename T>
-__global__ void __launch_bounds__(DECODE_THREADS, D * NB >= 256 ? 2 : 3) nvfp4_paged_decode_kernel(Params p) {
+__global__ void __launch_bounds__(DECODE_THREADS, D* NB >= 256 ? 2 : 3) nvfp4_paged_decode_kernel(Params p) {
   using S = DecodeShape<D>;
   constexpr int QROWS = 8 * NB;
   __shared__ float merge_m[DECODE_WARPS][QROWS], merge_l[DECODE_WARPS][QROWS];
@@ -818,8 +821,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB >= 256 ? 2 : 3) nvfp4_p
     const bool valid = row < num_rows;
     const int token = valid ? row / p.group : 0;
     const int q_head = head * p.group + (valid ? row % p.group : 0);
-    const T* src = static_cast<const T*>(p.query) + (q_start + token) * p.q_token_stride + q_head * p.q_head_stride +
-                   t * (D / 4);
+    const T* src =
+        static_cast<const T*>(p.query) + (q_start + token) * p.q_token_stride + q_head * p.q_head_stride + t * (D / 4);
     const auto loaded = load_elements<D / 4, true>(src);
     float q[D / 4], amax = 0.0f;
 #pragma unroll
@@ -973,7 +976,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB >= 256 ? 2 : 3) nvfp4_p
   // Each warp: its chunks' bytes loaded one chunk ahead of their use, their blocks read two chunks ahead.
   const int32_t* table_row = p.block_table + static_cast<int64_t>(request) * p.table_stride;
   const LaneOffsets<D, SWIZZLE> offsets(p);
-  const int mine = chunk_begin + warp < chunk_end ? (chunk_end - chunk_begin - warp + DECODE_WARPS - 1) / DECODE_WARPS : 0;
+  const int mine =
+      chunk_begin + warp < chunk_end ? (chunk_end - chunk_begin - warp + DECODE_WARPS - 1) / DECODE_WARPS : 0;
   auto chunk_start = [&](int i) { return (chunk0 + chunk_begin + warp + i * DECODE_WARPS) * DECODE_CHUNK; };
   const bool runs = p.layout.block_size % 16 == 0;
   auto blocks_of = [&](int i) {
@@ -1133,10 +1137,11 @@ template <int D, typename T>
 void launch_combine(const Params& p, int64_t num_reqs, int64_t q_heads, const Tensor& query_start_loc,
                     cudaStream_t stream) {
   const int64_t pairs = p.num_tokens * q_heads;
-  combine_splits_kernel<D, T><<<static_cast<unsigned>((pairs + ATTN_WARPS - 1) / ATTN_WARPS), ATTN_THREADS, 0, stream>>>(
-      p.partial_out, p.partial_lse, p.num_splits, p.num_tokens, static_cast<int>(q_heads),
-      query_start_loc.const_data_ptr<int32_t>(), static_cast<int>(num_reqs), p.sinks, static_cast<T*>(p.out),
-      p.out_token_stride, p.out_head_stride);
+  combine_splits_kernel<D, T>
+      <<<static_cast<unsigned>((pairs + ATTN_WARPS - 1) / ATTN_WARPS), ATTN_THREADS, 0, stream>>>(
+          p.partial_out, p.partial_lse, p.num_splits, p.num_tokens, static_cast<int>(q_heads),
+          query_start_loc.const_data_ptr<int32_t>(), static_cast<int>(num_reqs), p.sinks, static_cast<T*>(p.out),
+          p.out_token_stride, p.out_head_stride);
   check_launch("nvfp4_paged_attention (combine)");
 }
 
@@ -1146,16 +1151,16 @@ void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t m
                    const Tensor& query_start_loc, cudaStream_t stream) {
   auto kernel = nvfp4_paged_decode_kernel<D, NB, SWIZZLE, T>;
   const int smem_bytes = DECODE_WARPS * 8 * NB * D * static_cast<int>(sizeof(float));
-  static const bool smem_set = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    smem_bytes) == cudaSuccess;
+  static const bool smem_set =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) == cudaSuccess;
   NVFP4_CHECK(smem_set, "nvfp4_paged_attention: cannot reserve the decode kernel's shared memory");
   int per_sm = 0;
   NVFP4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, DECODE_THREADS, smem_bytes) == cudaSuccess,
               "nvfp4_paged_attention: occupancy query failed");
   const int64_t resident = std::max(1, per_sm) * static_cast<int64_t>(multiprocessors(query.get_device_index()));
   const int64_t ctas = num_reqs * p.layout.num_heads;
-  const int64_t chunk_bound = std::max<int64_t>(
-      1, (visible_keys_bound(p, max_query_len, max_seq_len) + DECODE_CHUNK - 1) / DECODE_CHUNK + 1);
+  const int64_t chunk_bound =
+      std::max<int64_t>(1, (visible_keys_bound(p, max_query_len, max_seq_len) + DECODE_CHUNK - 1) / DECODE_CHUNK + 1);
   int64_t splits = std::clamp<int64_t>((2 * resident + ctas - 1) / ctas, 1, std::max<int64_t>(1, chunk_bound / 8));
   p.tiles_per_split = static_cast<int>((chunk_bound + splits - 1) / splits);
   splits = (chunk_bound + p.tiles_per_split - 1) / p.tiles_per_split;
@@ -1178,7 +1183,8 @@ void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_
   const int smem_bytes = G::STAGES * G::STAGE_BYTES;
   const int64_t row_tiles = std::max<int64_t>(1, (max_query_len * p.group + 16 * WARPS_M - 1) / (16 * WARPS_M));
   const int64_t ctas = num_reqs * p.layout.num_heads * row_tiles;
-  const int64_t tile_bound = std::max<int64_t>(1, (visible_keys_bound(p, max_query_len, max_seq_len) + TILE - 1) / TILE + 1);
+  const int64_t tile_bound =
+      std::max<int64_t>(1, (visible_keys_bound(p, max_query_len, max_seq_len) + TILE - 1) / TILE + 1);
   int per_sm = 0;
   NVFP4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, ATTN_THREADS, smem_bytes) == cudaSuccess,
               "nvfp4_paged_attention: occupancy query failed");
@@ -1222,9 +1228,9 @@ void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, co
                                 const Tensor& k_scale, const Tensor& v_scale, double scale, bool causal,
                                 bool swizzle_v_scales, int64_t max_query_len, int64_t max_seq_len, Tensor& out,
                                 int64_t sliding_window, double logits_soft_cap, const std::optional<Tensor>& sinks) {
-  const NVFP4PageLayout layout = check_cuda_paged_attention(
-      query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale, v_scale, swizzle_v_scales,
-      max_query_len, max_seq_len, out, sliding_window, logits_soft_cap, sinks);
+  const NVFP4PageLayout layout = check_cuda_paged_attention(query, key_cache, value_cache, block_table, query_start_loc,
+                                                            seq_lens, k_scale, v_scale, swizzle_v_scales, max_query_len,
+                                                            max_seq_len, out, sliding_window, logits_soft_cap, sinks);
   const int64_t num_reqs = seq_lens.size(0);
   if (num_reqs == 0 || query.size(0) == 0 || max_query_len == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(query.get_device_index());
