@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_nvfp4_plugin.tools.models import smollm2_path
+from vllm_nvfp4_plugin.tools.models import smollm2_path, tiny_llama_path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from vllm_jobs import run_job  # noqa: E402
@@ -37,20 +37,25 @@ NEAR_TIE_NATS = 0.5
 # oneDNN capped at AVX2 makes vLLM's fp32 CPU linears row-invariant (tests/test_serving.py): a request's tokens do
 # not depend on which others share its batch, so what differs under pressure is the recompute alone.
 SERVE_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "VLLM_CPU_KVCACHE_SPACE": "1"}
+ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
 PROMPTS = [f"Write a short story about a {who} who" for who in
            ("cat", "robot", "sailor", "baker", "wizard", "farmer", "pilot", "poet")]
 
 
-def generate(kv_cache_dtype: str, blocks: int | None, **job_options) -> dict:
+def generate(kv_cache_dtype: str, blocks: int | None, model: Path | None = None, tensor_parallel_size: int = 1,
+             **job_options) -> dict:
     llm = {"kv_cache_dtype": kv_cache_dtype, "dtype": "float32", "block_size": BLOCK_SIZE, "seed": 0,
            "max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20,
            "disable_log_stats": False, "enable_prefix_caching": True}
     if blocks is not None:
         llm["num_gpu_blocks_override"] = blocks
-    job = {"model": str(smollm2_path()), "llm": llm, "max_tokens": MAX_TOKENS, "batches": [PROMPTS],
-           "logprobs": 2, "ignore_eos": True, **job_options}
     env = os.environ | SERVE_ENV | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
                                     "TRANSFORMERS_OFFLINE": "1"}
+    if tensor_parallel_size > 1:  # one core a rank, the ranks in processes of vLLM's mp executor
+        llm |= {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "mp"}
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpu) for cpu in ALLOWED_CPUS[:tensor_parallel_size])
+    job = {"model": str(model or smollm2_path()), "llm": llm, "max_tokens": MAX_TOKENS, "batches": [PROMPTS],
+           "logprobs": 2, "ignore_eos": True, **job_options}
     return run_job(job, env, timeout=1500)
 
 
@@ -112,6 +117,32 @@ def test_a_foreign_page_is_a_gross_divergence(runs):
     found = divergences(runs["nvfp4/free"], planted)
     print("planted foreign page:", found)
     assert any(d.request == 0 and not d.near_tie for d in found), found
+
+
+@pytest.fixture(scope="module")
+def tp_runs() -> dict[str, dict]:
+    """TP=1 unpressured against TP=2 under the same pressure, each cache dtype. SmolLM2's 3 KV heads do not split
+    in two, so this runs the tiny random Llama (2 KV heads of 128, SmolLM2's tokenizer)."""
+    if len(ALLOWED_CPUS) < 2:
+        pytest.skip(f"TP=2 with one core per rank needs 2 CPUs, this process may use {ALLOWED_CPUS}")
+    model = tiny_llama_path(128)
+    results = {f"{dtype}/tp{tp}": generate(dtype, None if tp == 1 else PRESSURE_BLOCKS, model, tp)
+               for dtype in ("auto", "nvfp4") for tp in (1, 2)}
+    for name, result in results.items():
+        print(name, "preemptions:", result["num_preemptions"], "KV tokens:", result["kv_tokens"])
+    return results
+
+
+def test_tensor_parallel_under_pressure_diverges_no_more_than_an_unquantized_cache(tp_runs):
+    for dtype in ("auto", "nvfp4"):
+        assert tp_runs[f"{dtype}/tp2"]["num_preemptions"] > 0
+    unquantized = divergences(tp_runs["auto/tp1"], tp_runs["auto/tp2"])
+    nvfp4 = divergences(tp_runs["nvfp4/tp1"], tp_runs["nvfp4/tp2"])
+    print(f"TP=2 under pressure vs TP=1: unquantized {len(unquantized)} of {len(PROMPTS)} diverged {unquantized}\n"
+          f"nvfp4: {len(nvfp4)} of {len(PROMPTS)} diverged {nvfp4}")
+    assert len(nvfp4) <= len(unquantized)
+    for divergence in unquantized + nvfp4:
+        assert divergence.near_tie, divergence
 
 
 # --- Serving: aborts, hostile requests, soak --------------------------------------------------------------
