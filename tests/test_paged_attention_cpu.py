@@ -2,9 +2,10 @@
 
 Every case: pages in shuffled order, pages nothing was stored in filled with 0xFF (NaN block scales, so a read past
 a request's length shows), garbage in unused block-table columns, padding query rows of NaN, the output poisoned with
-NaN so unwritten rows show and rows past the batch's tokens must stay untouched. The reference writes the op's
-output dtype, so a bf16 or fp16 output is compared with the same rounding; relative L2 error of the whole output
-≤ 1e-3 (float32 outputs agree to float32 rounding).
+NaN so unwritten rows show and rows past the batch's tokens must stay untouched; with a sliding window, the bytes of
+every key older than its request's first window are poisoned as well (the reference reads a clean copy). The
+reference writes the op's output dtype, so a bf16 or fp16 output is compared with the same rounding; relative L2 error
+of the whole output ≤ 1e-3 (float32 outputs agree to float32 rounding).
 """
 
 import copy

@@ -7,7 +7,8 @@
   Google's Q4_K_M GGUF split in four (Gemma terms of use, their `data/GEMMA_TERMS.html`). Its keys pass through a
   learned RMSNorm (QK-norm), which leaves a few channels of every layer far above the rest: the outlier-key model
   of the KV-quality measurements (docs/KV_QUALITY.md). 18 layers, 1 KV head of 256; 15 layers slide a 512-token
-  window, so engines over it keep max_model_len <= 512, where the window covers the whole sequence.
+  window, which the CPU backend serves at any max_model_len (backends without window support need
+  max_model_len <= 512, where the window covers the whole sequence).
 - A tiny random Llama (2 layers, hidden 128, 4 query heads / 2 KV heads) that reuses SmolLM2's tokenizer,
   for engine tests that must start fast.
 - A tiny random gpt-oss (2 layers: the first slides a 128-token window, both have attention sinks; 4 experts),
