@@ -706,7 +706,7 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
           static_cast<float>(scale) * *k_scale.const_data_ptr<float>(),
           *v_scale.const_data_ptr<float>(),
           causal,
-          sliding_window,
+          std::min(sliding_window, max_seq_len),  // as wide as any context: no window, and no overflow below
           static_cast<float>(logits_soft_cap),
           sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr,
           {}};
@@ -723,7 +723,7 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
     for (int64_t block = (n + rows_per_unit - 1) / rows_per_unit - 1; block >= 0; --block) {
       const int64_t row = block * rows_per_unit, rows = std::min(rows_per_unit, n - row);
       const int64_t pos0 = c - n + row, key_end = causal ? pos0 + rows : c;
-      const int64_t key_begin = sliding_window > 0 ? std::max<int64_t>(0, pos0 - sliding_window + 1) : 0;
+      const int64_t key_begin = b.window > 0 ? std::max<int64_t>(0, pos0 - b.window + 1) : 0;
       for (int64_t h = 0; h < layout.num_heads; ++h)
         units.push_back({r, h, starts[r] + row, rows, pos0, c, key_begin, key_end, -1});
       scores += layout.num_heads * rows * group * (key_end - key_begin);

@@ -227,6 +227,14 @@ def test_sliding_window_never_reads_older_keys(window, block_size):
     case.check(case.run())
 
 
+@pytest.mark.parametrize("window", [1300, 2**62])
+def test_window_as_wide_as_every_context_is_no_window(window):
+    case = Case(MIXED, seed=26)
+    plain = case.run()
+    case.window = window
+    assert same_bytes(case.run(), plain)
+
+
 @pytest.mark.parametrize("window", [1, 37, 600])
 def test_sliding_window_non_causal(window):
     """Without the causal mask a row sees every key from its window's start to the end of the context."""
