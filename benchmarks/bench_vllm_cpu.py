@@ -1,8 +1,9 @@
 """End to end on vLLM's CPU engine: prefill and decode throughput with an NVFP4 KV cache against bf16.
 
-The embedded model (SmolLM2-135M-Instruct, bf16; `python -m vllm_nvfp4_plugin.tools.models` prepares it) runs in
-vLLM's offline `LLM`, once with `kv_cache_dtype="nvfp4"` (the plugin's CPU backend and its attention kernel) and
-once with bf16 (vLLM's own CPU attention), each engine in its own interpreter. For each batch size B, B distinct
+The embedded model (SmolLM2-135M-Instruct, bf16; `python -m vllm_nvfp4_plugin.tools.models` prepares it), or with
+`--model gemma3` Gemma 3 270M (15 of 18 layers slide a 512-token window, so longer prompts exercise the window),
+runs in vLLM's offline `LLM`, once with `kv_cache_dtype="nvfp4"` (the plugin's CPU backend and its attention
+kernel) and once with bf16 (vLLM's own CPU attention), each engine in its own interpreter. For each batch size B, B distinct
 prompts of `--prompt-len` random tokens (prefix caching off, so every prompt is prefilled):
 
 - prefill tokens/s: B · prompt_len / the time of `generate(max_tokens=1)`;
@@ -11,9 +12,9 @@ prompts of `--prompt-len` random tokens (prefix caching off, so every prompt is 
 
 Each time is the faster of two calls on fresh prompts.
 
-Options: `--batches 1 8`, `--prompt-len 2048`, `--decode-tokens 64`, `--threads N` (OMP_NUM_THREADS and
-VLLM_CPU_OMP_THREADS_BIND of the engines; default all CPUs), `--compile` (vLLM's default torch.compile instead of
-eager mode, which starts faster), `--append FILE.md`, `--note TEXT`.
+Options: `--model smollm2|gemma3`, `--batches 1 8`, `--prompt-len 2048`, `--decode-tokens 64`, `--threads N`
+(OMP_NUM_THREADS and VLLM_CPU_OMP_THREADS_BIND of the engines; default all CPUs), `--compile` (vLLM's default
+torch.compile instead of eager mode, which starts faster), `--append FILE.md`, `--note TEXT`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import sys
 import time
 
 KV_CACHE_BYTES = 1 << 30
+MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}
 
 
 def engine(args) -> dict:
@@ -34,9 +36,10 @@ def engine(args) -> dict:
     import torch
     from vllm import LLM, SamplingParams
 
-    from vllm_nvfp4_plugin.tools.models import smollm2_path
+    from vllm_nvfp4_plugin.tools.models import gemma3_path, smollm2_path
 
-    llm = LLM(str(smollm2_path()), kv_cache_dtype=args.engine, dtype="bfloat16", enforce_eager=not args.compile,
+    model = gemma3_path() if args.model == "gemma3" else smollm2_path()
+    llm = LLM(str(model), kv_cache_dtype=args.engine, dtype="bfloat16", enforce_eager=not args.compile,
               max_model_len=args.prompt_len + args.decode_tokens + 16, max_num_seqs=max(args.batches),
               enable_prefix_caching=False, kv_cache_memory_bytes=KV_CACHE_BYTES, seed=0)
     g = torch.Generator().manual_seed(0)
@@ -72,6 +75,7 @@ def commit() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODEL_NAMES), default="smollm2")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--decode-tokens", type=int, default=64)
@@ -89,7 +93,8 @@ def main() -> None:
                OMP_NUM_THREADS=str(args.threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
     times = {}
     for dtype in ("nvfp4", "bfloat16"):
-        command = [sys.executable, os.path.abspath(__file__), "--engine", dtype, "--batches", *map(str, args.batches),
+        command = [sys.executable, os.path.abspath(__file__), "--engine", dtype, "--model", args.model,
+                   "--batches", *map(str, args.batches),
                    "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens)]
         if args.compile:
             command.append("--compile")
@@ -103,7 +108,7 @@ def main() -> None:
     lines = [
         f"commit {commit()}, {machine()}, {args.threads} threads, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
-        f"{os.getloadavg()[0]:.1f}; SmolLM2-135M-Instruct bf16, {'torch.compile' if args.compile else 'eager'}, "
+        f"{os.getloadavg()[0]:.1f}; {MODEL_NAMES[args.model]} bf16, {'torch.compile' if args.compile else 'eager'}, "
         f"prompts of {args.prompt_len} tokens, {args.decode_tokens} decode tokens",
         "",
         "| B | prefill tok/s nvfp4 | bf16 | nvfp4 / bf16 | decode tok/s nvfp4 | bf16 | nvfp4 / bf16 |",

@@ -16,6 +16,12 @@
 // Values are decoded by rows as e2m1 · SF and accumulated with the probabilities broadcast. Scores, softmax and sums
 // are float32; k_scale is folded into the score scale and v_scale into the final 1 / sum. Like cpu_ops.cpp,
 // the tile kernel exists as AVX-512, AVX2 and baseline x86-64 code (cpu_isa.h).
+//
+// Model features. A sliding window starts a unit's keys at its first row's window: older keys, and splits and
+// tiles holding none of the unit's keys, are never read; inside a tile each row masks its own window edge. Tiles
+// stay at multiples of TILE, so a key's lane, and with it every sum, is the same whichever row reads it. The
+// soft-cap maps each fully scaled logit (scale · k_scale · q · k) before the softmax; a head's sink joins the
+// denominator when its rows are written.
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
@@ -71,6 +77,9 @@ struct Batch {
   float score_scale;  // scale · k_scale
   float v_global;
   bool causal;
+  int64_t window;                         // > 0: the query at position p sees keys > p - window
+  float soft_cap;                         // > 0: a scaled logit s becomes soft_cap · tanh(s / soft_cap)
+  const float* sinks;                     // [Hq] logits that join the softmax's denominator, or null
   int64_t v_scale_delta[4][NVFP4_GROUP];  // V scale s of token t: scale_offset(t - t % 4, h, 0, false) + [t % 4][s]
 };
 
@@ -79,15 +88,25 @@ struct Unit {
   int64_t row0, rows;  // query rows [row0, row0 + rows) of the batch
   int64_t pos0;        // the context position of row0
   int64_t seq_len;
-  int64_t key_end;   // keys [0, key_end) are seen by some row
-  int64_t partials;  // offset of the unit's per-split partials, or -1: one task merges as it goes
+  int64_t key_begin, key_end;  // keys [key_begin, key_end) are seen by some row; no other key is read
+  int64_t partials;            // offset of the unit's per-split partials, or -1: one task merges as it goes
 
-  int64_t splits() const { return (key_end + SPLIT - 1) / SPLIT; }
-  // Keys [0, visible_end(i)) are seen by row row0 + i.
+  // The splits holding the unit's keys, [split_begin(), split_end()).
+  int64_t split_begin() const { return key_begin / SPLIT; }
+  int64_t split_end() const { return (key_end + SPLIT - 1) / SPLIT; }
+  int64_t num_splits() const { return split_end() - split_begin(); }
+  // Keys [visible_begin(i), visible_end(i)) are seen by row row0 + i.
+  int64_t visible_begin(const Batch& b, int64_t i) const {
+    return b.window > 0 ? std::max<int64_t>(0, pos0 + i - b.window + 1) : 0;
+  }
   int64_t visible_end(const Batch& b, int64_t i) const { return b.causal ? pos0 + i + 1 : seq_len; }
-  // The first row that sees key `key` (rows see growing prefixes).
-  int64_t first_row_seeing(const Batch& b, int64_t key) const {
-    return b.causal ? std::clamp<int64_t>(key - pos0, 0, rows) : 0;
+  // Rows [first_row_seeing(lo), end_row_seeing(hi)) see some key of [lo, hi]: with a causal mask rows see growing
+  // prefixes, and a window leaves the oldest keys behind as rows advance.
+  int64_t first_row_seeing(const Batch& b, int64_t lo) const {
+    return b.causal ? std::clamp<int64_t>(lo - pos0, 0, rows) : 0;
+  }
+  int64_t end_row_seeing(const Batch& b, int64_t hi) const {
+    return b.window > 0 ? std::clamp<int64_t>(hi + b.window - pos0, 0, rows) : rows;
   }
 };
 
@@ -215,6 +234,29 @@ inline float exp_nonpositive(float x) {
   return exp_nonpositive<I>(broadcast(x))[0];
 }
 
+// cap · tanh(s · inverse_cap), tanh as Cephes' tanhf: an odd polynomial below |x| = 0.625, where 1 - 2 / (e^2|x| + 1)
+// would lose bits, that formula above it (through e^-2|x|, which stays in exp_nonpositive's range); the sign put back.
+template <Isa I>
+inline f32x16 soft_cap(f32x16 s, float cap, float inverse_cap) {
+  using F = Fma<I>;
+  const f32x16 x = s * inverse_cap;
+  const u32x16 sign = simd::as_u32(x) & 0x80000000u;
+  const f32x16 a = simd::as_f32(simd::as_u32(x) & 0x7FFFFFFFu);
+  const f32x16 z = a * a;
+  f32x16 y = F::apply(broadcast(-5.70498872745e-3f), z, broadcast(2.06390887954e-2f));
+  y = F::apply(y, z, broadcast(-5.37397155531e-2f));
+  y = F::apply(y, z, broadcast(1.33314422036e-1f));
+  y = F::apply(y, z, broadcast(-3.33332819422e-1f));
+  const f32x16 small = F::apply(y * z, a, a);
+  const f32x16 e = exp_nonpositive<I>(a * -2.0f);
+  const f32x16 large = 1.0f - (e + e) / (1.0f + e);
+  // non-negative floats compare like their bits
+  const u32x16 t =
+      simd::where_greater<I >= Isa::Avx512>(simd::as_i32(simd::as_u32(broadcast(0.625f))),
+                                            simd::as_i32(simd::as_u32(a)), simd::as_u32(small), simd::as_u32(large));
+  return simd::as_f32(t | sign) * cap;
+}
+
 // Every lane ends up holding the maximum / the sum of the 16 lanes (a fixed pairwise order).
 NVFP4_INLINE float lanes_max(f32x16 v) {
   v = simd::max(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
@@ -277,9 +319,10 @@ struct E4m3Values {
 };
 const E4m3Values E4M3;
 
-// Where a tile's keys sit: per key, its codes and scales on both sides.
+// Where a tile's keys sit: per key, its codes and scales on both sides. Tiles start at multiples of TILE, so a
+// key has the same lane whatever range of keys is read; lanes outside [first, n) hold no key and are not read.
 struct TileTokens {
-  int n;  // keys in the tile
+  int first, n;
   const uint8_t* key_data[TILE];
   const uint8_t* key_scales[TILE];
   const uint8_t* value_data[TILE];
@@ -300,11 +343,12 @@ struct TileCursor {
         page(key / b.layout.block_size),
         offset(key % b.layout.block_size) {}
 
-  // Locates the next n keys and asks the memory system for their bytes.
-  void next(int n, TileTokens& t) {
+  // Locates the next keys, lanes [first, n) of a tile, and asks the memory system for their bytes.
+  void next(int first, int n, TileTokens& t) {
     const NVFP4PageLayout& layout = b.layout;
+    t.first = first;
     t.n = n;
-    for (int j = 0; j < n; ++j) {
+    for (int j = first; j < n; ++j) {
       const int64_t block = pages[page] * b.block_stride;
       const uint8_t* key_side = b.key_base + block;
       const uint8_t* value_side = b.value_base + block;
@@ -328,15 +372,15 @@ struct TileCursor {
   }
 };
 
-// keys[d][j] = e2m1 of dimension d of key j (zeros for j >= n) and scales[s][j] = its block scale s. Key j's 8
-// code bytes per 16 dimensions, read as 32-bit words (word w: dimensions 8w..8w+7, low nibble first), are
+// keys[d][j] = e2m1 of dimension d of key j (zeros outside lanes [first, n)) and scales[s][j] = its block scale s.
+// Key j's 8 code bytes per 16 dimensions, read as 32-bit words (word w: dimensions 8w..8w+7, low nibble first), are
 // transposed so that word w of all keys is one vector; nibble e of it is dimension 8w + e of the 16 keys.
 template <Isa I, int D>
 NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys, f32x16 (&scales)[D / NVFP4_GROUP]) {
   constexpr int WORDS = D / 8, SCALE_WORDS = D / NVFP4_GROUP / 4;
   // The block scales, four a word; scale_words[w][j]: scales 4w..4w+3 of key j.
   alignas(64) uint32_t scale_words[SCALE_WORDS][TILE] = {};
-  for (int j = 0; j < t.n; ++j)
+  for (int j = t.first; j < t.n; ++j)
     for (int w = 0; w < SCALE_WORDS; ++w) std::memcpy(&scale_words[w][j], t.key_scales[j] + 4 * w, 4);
   for (int w = 0; w < SCALE_WORDS; ++w) {
     u32x16 word;
@@ -348,7 +392,7 @@ NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys, f32x16 (&scales)
     u32x16 words[16];
     for (int j = 0; j < TILE; ++j) {
       words[j] = u32x16{};
-      if (j < t.n) std::memcpy(&words[j], t.key_data[j] + 4 * w0, BYTES);
+      if (t.first <= j && j < t.n) std::memcpy(&words[j], t.key_data[j] + 4 * w0, BYTES);
     }
     transpose_words(words);
     for (int w = w0; w < std::min(w0 + 16, WORDS); ++w)
@@ -407,7 +451,7 @@ NVFP4_INLINE void decode_value_pair(const TileTokens& t, int j, int c, f32x16& e
 
 template <Isa I, int D>
 NVFP4_INLINE void decode_values(const TileTokens& t, float* values) {
-  for (int j = 0; j < t.n; ++j)
+  for (int j = t.first; j < t.n; ++j)
     for (int c = 0; c < D / 32; ++c) {
       f32x16 even, odd;
       decode_value_pair<I>(t, j, c, even, odd);
@@ -417,7 +461,7 @@ NVFP4_INLINE void decode_values(const TileTokens& t, float* values) {
 }
 
 // sums[p] = sums[p] · alpha[p] + Σ_j prob[p][j] · values[j], j in key order, for pairs [first, last). A pair's keys
-// past what its row sees have probability 0, which adds exactly nothing, so every pair runs over the tile's n keys.
+// outside what its row sees have probability 0, which adds exactly nothing, so every pair runs over the tile's keys.
 // Few pairs (decode): the values are decoded straight into the sums of up to four pairs; many (prefill): decoded
 // once into rows that each pair's sums read.
 template <Isa I, int D, int COUNT>
@@ -433,7 +477,7 @@ NVFP4_INLINE void pair_values(const TileTokens& t, const float* probs, const flo
         odd[i] *= alpha[i];
       }
     }
-    for (int j = 0; j < t.n; ++j) {
+    for (int j = t.first; j < t.n; ++j) {
       f32x16 e, o;
       decode_value_pair<I>(t, j, c, e, o);
       for (int i = 0; i < COUNT; ++i) {
@@ -466,7 +510,7 @@ NVFP4_INLINE void tile_values(const TileTokens& t, const float* probs, const flo
     for (int c = 0; c < D / 16; ++c) sum[c] = load(acc + 16 * c);
     if (alpha[p] != 1.0f)
       for (int c = 0; c < D / 16; ++c) sum[c] *= alpha[p];
-    for (int j = 0; j < t.n; ++j) {
+    for (int j = t.first; j < t.n; ++j) {
       const f32x16 pj = broadcast(prob[j]);
       for (int c = 0; c < D / 16; ++c) sum[c] = Fma<I>::apply(pj, load(values + j * D + 16 * c), sum[c]);
     }
@@ -481,28 +525,36 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
   State& st = scratch.split;
   std::fill(st.m.get(), st.m.get() + pairs, NEG_INF);
   std::fill(st.l.get(), st.l.get() + pairs, 0.0f);
-  const int64_t key_begin = split * SPLIT, key_end = std::min(key_begin + SPLIT, u.key_end);
+  const int64_t key_begin = std::max(split * SPLIT, u.key_begin), key_end = std::min((split + 1) * SPLIT, u.key_end);
   const int64_t first_row = u.first_row_seeing(b, key_begin);
   std::fill(st.acc.get() + first_row * group * D, st.acc.get() + pairs * D, 0.0f);
+  const float inverse_cap = b.soft_cap > 0.0f ? 1.0f / b.soft_cap : 0.0f;
   TileCursor cursor(b, u, key_begin);
   TileTokens tiles[2];  // this tile's keys, and the next one's, fetched ahead
-  cursor.next(static_cast<int>(std::min<int64_t>(TILE, key_end - key_begin)), tiles[0]);
-  for (int64_t key0 = key_begin, i = 0; key0 < key_end; key0 += TILE, i ^= 1) {
+  const int64_t tile_begin = key_begin - key_begin % TILE;
+  cursor.next(static_cast<int>(key_begin - tile_begin), static_cast<int>(std::min<int64_t>(TILE, key_end - tile_begin)),
+              tiles[0]);
+  for (int64_t key0 = tile_begin, i = 0; key0 < key_end; key0 += TILE, i ^= 1) {
     const TileTokens& tokens = tiles[i];
     if (key0 + TILE < key_end)
-      cursor.next(static_cast<int>(std::min<int64_t>(TILE, key_end - key0 - TILE)), tiles[i ^ 1]);
+      cursor.next(0, static_cast<int>(std::min<int64_t>(TILE, key_end - key0 - TILE)), tiles[i ^ 1]);
     f32x16 key_scales[D / NVFP4_GROUP];
     decode_keys<I, D>(tokens, scratch.keys.get(), key_scales);
-    const int64_t first = u.first_row_seeing(b, key0) * group;
-    tile_scores<I, D>(scratch.q.get(), scratch.keys.get(), key_scales, first, pairs, scratch.probs.get());
+    const int64_t first = u.first_row_seeing(b, key0 + tokens.first) * group;
+    const int64_t last = u.end_row_seeing(b, key0 + tokens.n - 1) * group;
+    tile_scores<I, D>(scratch.q.get(), scratch.keys.get(), key_scales, first, last, scratch.probs.get());
     // Online softmax: each pair's new max, its probabilities (exactly 0 for keys its row does not see) and the
     // factor exp(old max - new max) for its sums; 1 (skipped) when the max did not grow.
-    for (int64_t p = first; p < pairs; ++p) {
-      const int64_t seen = std::min<int64_t>(u.visible_end(b, p / group), key_end) - key0;
-      const u32x16 mask = LANE_MASKS.mask[std::min<int64_t>(seen, TILE)];
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t row = p / group;
+      const int64_t seen_begin = u.visible_begin(b, row) - key0;
+      const int64_t seen_end = std::min<int64_t>(u.visible_end(b, row), key_end) - key0;
+      const u32x16 mask = LANE_MASKS.mask[std::clamp<int64_t>(seen_end, 0, TILE)] &
+                          ~LANE_MASKS.mask[std::clamp<int64_t>(seen_begin, 0, TILE)];
       float* prob = scratch.probs.get() + p * TILE;
-      const f32x16 scores =
-          simd::as_f32(simd::select(mask, simd::as_u32(load(prob) * b.score_scale), simd::as_u32(broadcast(NEG_INF))));
+      f32x16 logits = load(prob) * b.score_scale;
+      if (b.soft_cap > 0.0f) logits = soft_cap<I>(logits, b.soft_cap, inverse_cap);
+      const f32x16 scores = simd::as_f32(simd::select(mask, simd::as_u32(logits), simd::as_u32(broadcast(NEG_INF))));
       const float m = std::max(st.m[p], lanes_max(scores));
       float alpha = 1.0f;
       if (m > st.m[p]) {
@@ -514,7 +566,7 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
       store(probs, prob);
       scratch.alpha[p] = alpha;
     }
-    tile_values<I, D>(tokens, scratch.probs.get(), scratch.alpha.get(), first, pairs, scratch.values.get(),
+    tile_values<I, D>(tokens, scratch.probs.get(), scratch.alpha.get(), first, last, scratch.values.get(),
                       st.acc.get());
   }
 }
@@ -577,11 +629,19 @@ void merge_pair(State& total, int64_t p, float m, float l, const float* acc, int
 }
 
 template <typename T>
-void write_rows(const Unit& u, const State& total, int64_t group, int64_t head_size, float v_global, T* out,
-                int64_t token_stride, int64_t head_stride) {
+void write_rows(const Batch& b, const Unit& u, const State& total, int64_t head_size, T* out, int64_t token_stride,
+                int64_t head_stride) {
+  const int64_t group = b.group;
   for (int64_t p = 0; p < u.rows * group; ++p) {
     const int64_t row = u.row0 + p / group, head = u.kv_head * group + p % group;
-    const float inverse = v_global / total.l[p];
+    float inverse = b.v_global / total.l[p];
+    if (b.sinks != nullptr) {
+      // The head's sink is one more logit of the denominator, with no value: with top = max(m, sink), the row is
+      // sums · exp(m - top) / (l · exp(m - top) + exp(sink - top)).
+      const float sink = b.sinks[head], top = std::max(total.m[p], sink);
+      const float a = exp_nonpositive<Isa::Baseline>(total.m[p] - top);
+      inverse = b.v_global * a / (total.l[p] * a + exp_nonpositive<Isa::Baseline>(sink - top));
+    }
     const float* sums = total.acc.get() + p * head_size;
     T* o = out + row * token_stride + head * head_stride;
     for (int64_t d = 0; d < head_size; d += 32) {  // the even dimensions, then the odd ones (decode_values)
@@ -629,8 +689,6 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
       check_nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale,
                                   v_scale, swizzle_v_scales, max_query_len, max_seq_len, out);
   check_attention_features(sliding_window, logits_soft_cap, sinks, query);
-  NVFP4_CHECK(sliding_window == 0 && logits_soft_cap == 0.0 && !sinks.has_value(), op,
-              ": sliding_window, logits_soft_cap and sinks are not implemented on CPU yet");
   const int64_t num_reqs = seq_lens.size(0), head_size = layout.head_size;
   const int32_t* starts = query_start_loc.const_data_ptr<int32_t>();
   const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
@@ -648,6 +706,9 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
           static_cast<float>(scale) * *k_scale.const_data_ptr<float>(),
           *v_scale.const_data_ptr<float>(),
           causal,
+          std::min(sliding_window, max_seq_len),  // as wide as any context: no window, and no overflow below
+          static_cast<float>(logits_soft_cap),
+          sinks.has_value() ? sinks->const_data_ptr<float>() : nullptr,
           {}};
   for (int64_t r = 0; r < 4; ++r)
     for (int64_t s = 0; s < layout.scale_dim(); ++s)
@@ -662,9 +723,10 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
     for (int64_t block = (n + rows_per_unit - 1) / rows_per_unit - 1; block >= 0; --block) {
       const int64_t row = block * rows_per_unit, rows = std::min(rows_per_unit, n - row);
       const int64_t pos0 = c - n + row, key_end = causal ? pos0 + rows : c;
+      const int64_t key_begin = b.window > 0 ? std::max<int64_t>(0, pos0 - b.window + 1) : 0;
       for (int64_t h = 0; h < layout.num_heads; ++h)
-        units.push_back({r, h, starts[r] + row, rows, pos0, c, key_end, -1});
-      scores += layout.num_heads * rows * group * key_end;
+        units.push_back({r, h, starts[r] + row, rows, pos0, c, key_begin, key_end, -1});
+      scores += layout.num_heads * rows * group * (key_end - key_begin);
     }
   }
   if (units.empty()) return;
@@ -677,13 +739,13 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
   const int64_t partial_stride = head_size + 2;  // m, l, acc of one pair in one split
   for (int64_t i = 0; i < static_cast<int64_t>(units.size()); ++i) {
     Unit& u = units[i];
-    const int64_t floats = u.splits() * u.rows * group * partial_stride;
-    if (units.size() < SPLIT_BATCH_UNITS && u.rows <= SPLIT_UNIT_ROWS && u.splits() > 1 &&
+    const int64_t floats = u.num_splits() * u.rows * group * partial_stride;
+    if (units.size() < SPLIT_BATCH_UNITS && u.rows <= SPLIT_UNIT_ROWS && u.num_splits() > 1 &&
         partial_floats + floats <= PARTIAL_FLOATS_MAX) {
       u.partials = partial_floats;
       partial_floats += floats;
       split_units.push_back(i);
-      for (int64_t s = 0; s < u.splits(); ++s) tasks.push_back({i, s});
+      for (int64_t s = u.split_begin(); s < u.split_end(); ++s) tasks.push_back({i, s});
     } else {
       tasks.push_back({i, -1});
     }
@@ -710,7 +772,7 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
         load_queries(u, group, head_size, q, q_token, q_head, scratch.q.get());
         if (task.split >= 0) {  // this split's state goes to the unit's partials
           attend_split(b, u, task.split, scratch);
-          float* part = partials.data() + u.partials + task.split * pairs * partial_stride;
+          float* part = partials.data() + u.partials + (task.split - u.split_begin()) * pairs * partial_stride;
           for (int64_t p = 0; p < pairs; ++p, part += partial_stride) {
             part[0] = scratch.split.m[p];
             part[1] = scratch.split.l[p];
@@ -720,13 +782,13 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
           continue;
         }
         std::fill(scratch.total.l.get(), scratch.total.l.get() + pairs, 0.0f);
-        for (int64_t s = 0; s < u.splits(); ++s) {
+        for (int64_t s = u.split_begin(); s < u.split_end(); ++s) {
           attend_split(b, u, s, scratch);
           for (int64_t p = 0; p < pairs; ++p)
             merge_pair(scratch.total, p, scratch.split.m[p], scratch.split.l[p],
                        scratch.split.acc.get() + p * head_size, head_size);
         }
-        write_rows(u, scratch.total, group, head_size, b.v_global, o, o_token, o_head);
+        write_rows(b, u, scratch.total, head_size, o, o_token, o_head);
       }
       // The split units' partials, merged in split order.
 #pragma omp for schedule(dynamic)
@@ -734,12 +796,12 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
         const Unit& u = units[split_units[i]];
         const int64_t pairs = u.rows * group;
         std::fill(scratch.total.l.get(), scratch.total.l.get() + pairs, 0.0f);
-        for (int64_t s = 0; s < u.splits(); ++s) {
+        for (int64_t s = 0; s < u.num_splits(); ++s) {
           const float* part = partials.data() + u.partials + s * pairs * partial_stride;
           for (int64_t p = 0; p < pairs; ++p, part += partial_stride)
             merge_pair(scratch.total, p, part[0], part[1], part + 2, head_size);
         }
-        write_rows(u, scratch.total, group, head_size, b.v_global, o, o_token, o_head);
+        write_rows(b, u, scratch.total, head_size, o, o_token, o_head);
       }
     }
   });

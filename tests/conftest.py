@@ -22,9 +22,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 VLLM_FILES = {"test_cuda_backend.py", "test_indexer.py", "test_spec.py", "test_vllm_compat.py",
               "test_vllm_engine.py", "test_serving.py", "test_kv_fidelity.py", "test_tensor_parallel.py",
-              "test_demo.py", "test_evals_e2e.py", "test_reliability.py"}
+              "test_demo.py", "test_evals_e2e.py", "test_reliability.py", "test_model_coverage.py"}
 E2E_FILES = {"test_vllm_engine.py", "test_serving.py", "test_kv_fidelity.py", "test_tensor_parallel.py",
-             "test_demo.py", "test_evals_e2e.py", "test_reliability.py"}
+             "test_demo.py", "test_evals_e2e.py", "test_reliability.py", "test_model_coverage.py"}
 E2E_TESTS = {"test_smollm2_answers_a_question"}
 SLOW_FILES = {"test_e2m1_exhaustive.py", "test_fuzz.py"}
 SLOW_TESTS = {"test_avx512_e2m1_encoder_equals_reference_ladder_on_every_float",

@@ -1,9 +1,12 @@
 """The vLLM-independent attention core against fp32 attention over the reference-dequantized cache."""
 
+import re
+
 import pytest
 import torch
 
-from vllm_nvfp4_plugin.attention import (DequantWorkspace, NVFP4AttentionMetadata, check_supported,
+from vllm_nvfp4_plugin import reference
+from vllm_nvfp4_plugin.attention import (MODEL_FEATURES, DequantWorkspace, NVFP4AttentionMetadata, check_supported,
                                          paged_attention, store_kv)
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.tools.paged_case import PagedCase, relative_l2
@@ -112,6 +115,40 @@ def test_rejects_unsupported_configurations():
     with pytest.raises(NotImplementedError, match="sinks"):
         check_supported(64, 4, 2, sinks=torch.zeros(4))
     check_supported(64, 4, 2, sliding_window=-1, logits_soft_cap=0)  # vLLM's "off" values
+
+
+def test_backends_name_the_features_their_kernels_serve():
+    """The CPU backend passes MODEL_FEATURES; a backend that passes none (the default) refuses every feature."""
+    features = dict(sliding_window=512, logits_soft_cap=30.0, sinks=torch.zeros(4))
+    check_supported(64, 4, 2, **features, supported_features=MODEL_FEATURES)
+    with pytest.raises(NotImplementedError, match="soft-cap"):
+        check_supported(64, 4, 2, **features, supported_features=("sliding_window",))
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        check_supported(64, 4, 2, alibi_slopes=[0.5], supported_features=MODEL_FEATURES)
+    with pytest.raises(ValueError, match="sliding_window must be positive"):
+        check_supported(64, 4, 2, sliding_window=0, supported_features=MODEL_FEATURES)
+    with pytest.raises(ValueError, match=re.escape("sinks must have one value per query head, shape (4,)")):
+        check_supported(64, 4, 2, sinks=torch.zeros(2), supported_features=MODEL_FEATURES)
+    with pytest.raises(ValueError, match="supported_features must be among"):
+        check_supported(64, 4, 2, supported_features=("alibi",))
+
+
+def test_features_reach_the_kernel_on_cpu_only():
+    gen = torch.Generator().manual_seed(7)
+    layout = NVFP4PageLayout(64, block_size=16, num_heads=2)
+    batch = Batch([(1, 70), (20, 50)], layout, num_heads=4, gen=gen)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    meta = batch.metadata()
+    store_kv(batch.key, batch.value, batch.cache, batch.slot_mapping, K_SCALE, V_SCALE)
+    out, want = torch.empty_like(batch.query), torch.zeros_like(batch.query)
+    paged_attention(batch.query, batch.cache, meta, 0.125, K_SCALE, V_SCALE, out, sliding_window=9,
+                    logits_soft_cap=2.0, sinks=sinks)
+    reference.nvfp4_paged_attention(batch.query, batch.cache[:, 0], batch.cache[:, 1], batch.block_table,
+                                    meta.query_start_loc, meta.seq_lens, K_SCALE, V_SCALE, 0.125, True, False, 20, 70,
+                                    want, 9, 2.0, sinks)
+    assert relative_l2(out[:21], want[:21]) <= 1e-3
+    with pytest.raises(NotImplementedError, match="CPU kernel only"):
+        paged_attention(batch.query.to("meta"), batch.cache, meta, 0.125, K_SCALE, V_SCALE, out, sliding_window=9)
 
 
 def test_rejects_bad_inputs():

@@ -33,11 +33,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from test_vllm_engine import engine_env
 from vllm_jobs import run_job
 
-from vllm_nvfp4_plugin import reference
+from vllm_nvfp4_plugin.tools.fidelity import format_fidelity
 from vllm_nvfp4_plugin.tools.models import smollm2_path, tiny_llama_path
 
 GSM8K = Path(__file__).resolve().parents[1] / "evals" / "data" / "test.jsonl"  # MIT, see evals/data/LICENSE
@@ -81,36 +80,6 @@ def test_harness_sees_only_the_cache_dtype():
     assert nvfp4["mean_kl"] > 0
 
 
-def simulated_nvfp4_fidelity(model_dir, prompts, continuations) -> tuple[list[list[bool]], list[list[float]]]:
-    """Per prompt and measured step (continuation tokens 1 onward, as `teacher_forced_agreement`):
-    top-1 agreement and KL of transformers with NVFP4-rounded K/V against plain transformers."""
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def rounded(x):
-        return reference.nvfp4_decode(*reference.nvfp4_encode(x, 1.0), 1.0, x.dtype)
-
-    def nvfp4_attention(module, query, key, value, attention_mask, **kwargs):
-        return sdpa_attention_forward(module, query, rounded(key), rounded(value), attention_mask, **kwargs)
-
-    AttentionInterface.register("nvfp4_reference", nvfp4_attention)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    logprobs = {}
-    for impl in ("sdpa", "nvfp4_reference"):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=impl)
-        logprobs[impl] = []
-        for prompt, continuation in zip(prompts, continuations):
-            prompt_ids = tokenizer(prompt).input_ids
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt_ids + continuation])).logits[0].float()
-            logprobs[impl].append(logits[len(prompt_ids):len(prompt_ids) + len(continuation) - 1].log_softmax(-1))
-    agreement, kl = [], []
-    for ref, sim in zip(logprobs["sdpa"], logprobs["nvfp4_reference"]):
-        agreement.append((ref.argmax(-1) == sim.argmax(-1)).tolist())
-        kl.append((ref.exp() * (ref - sim)).sum(-1).tolist())
-    return agreement, kl
-
-
 @pytest.fixture(scope="module")
 def smollm2():
     return smollm2_path()
@@ -123,7 +92,7 @@ def test_smollm2_nvfp4_cache_costs_what_the_format_costs(smollm2):
     prompts = answer_prompts + greedy_prompts
     plugin = run_job(fidelity_job(smollm2, prompts, answers + [None] * GREEDY_QUESTIONS, "nvfp4"), engine_env(),
                      timeout=1200)
-    sim_agreement, sim_kl = simulated_nvfp4_fidelity(smollm2, prompts, plugin["continuations"])
+    sim_agreement, sim_kl = format_fidelity(smollm2, prompts, plugin["continuations"])
     kinds = {"bf16 greedy": (GREEDY_QUESTIONS, range(ANSWER_QUESTIONS, len(prompts))),
              "GSM8K answers": (ANSWER_QUESTIONS, range(ANSWER_QUESTIONS))}
     print("\nNVFP4 vs bf16 KV, SmolLM2-135M-Instruct, GSM8K questions, top-1 agreement / mean KL (nats):")

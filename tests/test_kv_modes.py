@@ -99,6 +99,6 @@ def test_a_sliding_window_that_covers_max_model_len_is_no_window():
 
     assert effective_sliding_window(512, 512) is None  # Gemma 3's local layers at max_model_len 512
     assert effective_sliding_window(512, 256) is None
-    assert effective_sliding_window(512, 1024) == 512  # tokens leave the window: still refused by the core
+    assert effective_sliding_window(512, 1024) == 512  # tokens leave the window: a backend must serve windows
     assert effective_sliding_window(512, None) == 512
     assert effective_sliding_window(None, 1024) is None and effective_sliding_window(-1, 1024) is None

@@ -1,4 +1,4 @@
-"""The cached model folders: SmolLM2 converted from its GGUF, the tiny random Llama, and the atomic build."""
+"""The cached model folders: SmolLM2 converted from its GGUF, the tiny random Llama and gpt-oss, and the atomic build."""
 
 import json
 import os
@@ -73,6 +73,18 @@ def test_tiny_llama_shapes_and_tokenizer(smollm2, head_dim):
     assert (path / "tokenizer.json").read_bytes() == (smollm2 / "tokenizer.json").read_bytes()
     weights = load_file(path / "model.safetensors")
     assert weights["model.layers.0.self_attn.k_proj.weight"].shape == (2 * head_dim, 128)
+
+
+def test_tiny_gpt_oss_has_sinks_and_a_window(smollm2):
+    path = models.tiny_gpt_oss_path()
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["GptOssForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention", "full_attention"]
+    assert config["sliding_window"] == models.TINY_GPT_OSS_SLIDING_WINDOW and config["head_dim"] == 64
+    weights = load_file(path / "model.safetensors")
+    sinks = [weights[f"model.layers.{i}.self_attn.sinks"].float() for i in range(2)]
+    assert all(s.shape == (4,) and 3.0 < s.mean() < 7.0 for s in sinks)  # large enough to matter
+    assert (path / "tokenizer.json").read_bytes() == (smollm2 / "tokenizer.json").read_bytes()
 
 
 def test_tiny_llama_rejects_bad_head_dim():

@@ -2,12 +2,14 @@
 
 Every case: pages in shuffled order, pages nothing was stored in filled with 0xFF (NaN block scales, so a read past
 a request's length shows), garbage in unused block-table columns, padding query rows of NaN, the output poisoned with
-NaN so unwritten rows show and rows past the batch's tokens must stay untouched. The reference writes the op's
-output dtype, so a bf16 or fp16 output is compared with the same rounding; relative L2 error of the whole output
-≤ 1e-3 (float32 outputs agree to float32 rounding).
+NaN so unwritten rows show and rows past the batch's tokens must stay untouched; with a sliding window, the bytes of
+every key older than its request's first window are poisoned as well (the reference reads a clean copy). The
+reference writes the op's output dtype, so a bf16 or fp16 output is compared with the same rounding; relative L2 error
+of the whole output ≤ 1e-3 (float32 outputs agree to float32 rounding).
 """
 
 import copy
+import math
 import os
 import pickle
 import re
@@ -51,11 +53,17 @@ def tiny(x):  # subnormal block scales (below 2^-6), some rounding to 0
 
 
 class Case:
-    """Requests `(query_len, context_len)` over one NVFP4 cache written by the CPU store op (PagedCase's K/V)."""
+    """Requests `(query_len, context_len)` over one NVFP4 cache written by the CPU store op (PagedCase's K/V).
+
+    Model features: `window` (sliding window, 0: none), `soft_cap` (0: none), `sinks` (True: random per-head sink
+    logits around the scores' scale)."""
 
     def __init__(self, requests, *, head_size=128, kv_heads=2, group=4, block_size=16, hnd=False, swizzle=False,
-                 dtype=torch.bfloat16, causal=True, seed=0, k_scale=0.75, v_scale=1.25, scale=None, shape_kv=None):
+                 dtype=torch.bfloat16, causal=True, seed=0, k_scale=0.75, v_scale=1.25, scale=None, shape_kv=None,
+                 window=0, soft_cap=0.0, sinks=False):
         gen = torch.Generator().manual_seed(seed)
+        self.window, self.soft_cap = window, soft_cap
+        self.sinks = torch.randn(kv_heads * group, generator=gen) * 2 + 1 if sinks else None
         self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle)
         self.requests, self.causal, self.dtype = list(requests), causal, dtype
         self.paged = PagedCase(requests, self.layout, kv_heads * group, gen, dtype=dtype, k_scale=k_scale,
@@ -73,12 +81,37 @@ class Case:
         self.query_start_loc = self.paged.query_start_loc()
         self.seq_lens = torch.tensor(self.paged.seq_lens, dtype=torch.int32)
         self.scale = head_size ** -0.5 if scale is None else scale
+        self.clean_cache = self.cache  # what the reference reads (poison_keys_outside_windows leaves it intact)
 
-    def args(self, out, max_query_len=None, max_seq_len=None):
-        return (self.query, self.cache[:, 0], self.cache[:, 1], self.paged.block_table, self.query_start_loc,
+    def args(self, out, max_query_len=None, max_seq_len=None, cache=None):
+        cache = self.cache if cache is None else cache
+        return (self.query, cache[:, 0], cache[:, 1], self.paged.block_table, self.query_start_loc,
                 self.seq_lens, self.k_scale, self.v_scale, self.scale, self.causal, self.layout.swizzle_v_scales,
                 max(self.paged.query_lens) if max_query_len is None else max_query_len,
-                max(self.paged.seq_lens) if max_seq_len is None else max_seq_len, out)
+                max(self.paged.seq_lens) if max_seq_len is None else max_seq_len, out,
+                self.window, self.soft_cap, self.sinks)
+
+    def poison_keys_outside_windows(self) -> int:
+        """Overwrite with 0xFF (NaN block scales) the K and V bytes of every cached token older than the window of
+        its request's first query row: a kernel that reads one of them writes NaN. Returns how many tokens."""
+        self.clean_cache = self.cache.clone()
+        layout, poisoned = self.layout, 0
+        heads = torch.arange(layout.num_heads)[:, None]
+        data = torch.arange(layout.data_dim)
+        for r, (n, c) in enumerate(self.requests):
+            first_window_key = max(0, c - n - self.window + 1)
+            if self.window == 0 or n == 0 or first_window_key == 0:
+                continue
+            pos = torch.arange(first_window_key)
+            blocks = self.paged.block_table[r, pos // layout.block_size].long()[:, None, None]
+            t = (pos % layout.block_size)[:, None, None]
+            for side, swizzled in ((0, False), (1, layout.swizzle_v_scales)):
+                view = layout.side_bytes_view(self.cache[:, side])
+                view[blocks, layout.data_offset(t, heads[None]) + data] = 0xFF
+                scales = torch.arange(layout.scale_dim)
+                view[blocks, layout.scale_offset(t, heads[None], scales, swizzled)] = 0xFF
+            poisoned += first_window_key
+        return poisoned
 
     def run(self, **bounds) -> torch.Tensor:
         out = torch.full_like(self.query, float("nan"))
@@ -87,7 +120,7 @@ class Case:
 
     def reference(self) -> torch.Tensor:
         out = torch.zeros_like(self.query)
-        reference.nvfp4_paged_attention(*self.args(out))
+        reference.nvfp4_paged_attention(*self.args(out, cache=self.clean_cache))
         return out
 
     def rows(self, first: int, last: int, requests) -> "Case":
@@ -178,30 +211,123 @@ def test_random_cache_bytes():
     case.check(case.run())
 
 
+# --- model features: sliding window, soft-cap, sinks ------------------------------------------------------------
+
+# Windows of one key, shorter than a page (16 keys), a page, not a multiple of one (edges mid-page), longer than a
+# split (512 keys), longer than every context (no key leaves it).
+WINDOWS = [1, 5, 16, 37, 100, 700, 5000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("block_size", [5, 16, 32])
+def test_sliding_window_never_reads_older_keys(window, block_size):
+    case = Case(MIXED, window=window, block_size=block_size, swizzle=block_size % 4 == 0, seed=window + block_size)
+    poisoned = case.poison_keys_outside_windows()
+    assert poisoned > 0 or window == 5000
+    case.check(case.run())
+
+
+@pytest.mark.parametrize("window", [1300, 2**62])
+def test_window_as_wide_as_every_context_is_no_window(window):
+    case = Case(MIXED, seed=26)
+    plain = case.run()
+    case.window = window
+    assert same_bytes(case.run(), plain)
+
+
+@pytest.mark.parametrize("window", [1, 37, 600])
+def test_sliding_window_non_causal(window):
+    """Without the causal mask a row sees every key from its window's start to the end of the context."""
+    case = Case([(1, 100), (50, 50), (30, 700)], causal=False, window=window, seed=20 + window)
+    case.poison_keys_outside_windows()
+    case.check(case.run())
+
+
+def test_sliding_window_long_contexts():
+    """Windows ending deep in long contexts: whole splits before them are skipped, small batches split the rest."""
+    case = Case([(1, 5000), (3, 2100), (600, 1700)], kv_heads=1, group=8, window=700, seed=21)
+    case.poison_keys_outside_windows()
+    case.check(case.run())
+
+
+@pytest.mark.parametrize("soft_cap", [0.5, 5.0, 30.0, 1e4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_soft_cap(soft_cap, dtype):
+    """Caps below and above the logits' range (scale 0.5: logits up to about ±20); a huge cap is nearly none."""
+    case = Case(MIXED, soft_cap=soft_cap, scale=0.5, dtype=dtype, seed=22)
+    case.check(case.run(), 1e-5 if dtype == torch.float32 else REL_L2)
+
+
+@pytest.mark.parametrize("shift", [-1e30, -10.0, 0.0, 10.0, 1e30], ids=["none", "low", "even", "high", "all"])
+def test_sinks(shift):
+    """Sinks far below the logits (nothing changes), comparable to them, and far above (rows go to 0: the kernel's
+    exp stops at e^-87 where the reference's underflows, so to within 1e-30)."""
+    case = Case(MIXED, sinks=True, dtype=torch.float32, seed=23)
+    case.sinks += shift
+    out = case.run()
+    if shift < 1e30:
+        case.check(out, 1e-5)
+    else:
+        assert out[:case.num_tokens].abs().max() < 1e-30 and torch.isnan(out[case.num_tokens:]).all()
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+@pytest.mark.parametrize("swizzle", [False, True], ids=["linear", "swizzled"])
+@pytest.mark.parametrize("group", [1, 8])
+def test_every_feature_every_layout(head_size, hnd, swizzle, group):
+    case = Case(MIXED, head_size=head_size, hnd=hnd, swizzle=swizzle, group=group, window=29, soft_cap=3.0,
+                sinks=True, seed=head_size + group + 24)
+    case.poison_keys_outside_windows()
+    case.check(case.run())
+
+
+@pytest.mark.parametrize("features", [dict(window=40, soft_cap=10.0), dict(window=40, sinks=True),
+                                      dict(soft_cap=10.0, sinks=True), dict(window=300, soft_cap=2.0, sinks=True)],
+                         ids=["window+cap", "window+sinks", "cap+sinks", "all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_feature_pairs(features, dtype):
+    case = Case(MIXED, dtype=dtype, seed=25, **features)
+    case.poison_keys_outside_windows()
+    case.check(case.run(), 1e-5 if dtype == torch.float32 else REL_L2)
+
+
 # --- the result depends only on the row's own query and context ------------------------------------------------
 
-def test_request_alone_equals_request_in_a_large_batch():
+FEATURES = [{}, dict(window=100, soft_cap=5.0, sinks=True)]
+
+
+@pytest.mark.parametrize("features", FEATURES, ids=["plain", "features"])
+def test_request_alone_equals_request_in_a_large_batch(features):
     """Alone, a decode row's splits run as separate tasks; among 80 decodes, one task merges them. Same bytes."""
-    case = Case([(1, 3000)] + [(1, 40 + r) for r in range(79)], kv_heads=1, seed=11)
+    case = Case([(1, 3000)] + [(1, 40 + r) for r in range(79)], kv_heads=1, seed=11, **features)
     alone = case.rows(0, 1, [(1, 3000)])
     alone.check(alone.run())
     assert same_bytes(alone.run(), case.run()[:1])
 
 
-def test_chunks_and_decodes_equal_the_whole_prompt():
-    """A prompt in one step, the same prompt in chunks over its cached prefix, and its last row as a decode."""
-    case = Case([(700, 700)], seed=12)
+@pytest.mark.parametrize("features", FEATURES + [dict(window=1), dict(window=530)], ids=["plain", "features",
+                                                                                         "window 1", "window 530"])
+def test_chunks_and_decodes_equal_the_whole_prompt(features):
+    """A prompt in one step, the same prompt in chunks over its cached prefix, and its last row as a decode (with a
+    window, each starts reading at its own first row's window: other tiles and splits, the same bytes)."""
+    case = Case([(700, 700)], seed=12, **features)
     whole = case.run()
+    case.check(whole)
     for lo, hi in [(0, 250), (250, 513), (513, 699), (699, 700)]:
         part = case.rows(lo, hi, [(hi - lo, hi)])
+        part.poison_keys_outside_windows()  # the chunks come in order: later ones start later
         assert same_bytes(part.run(), whole[lo:hi]), (lo, hi)
 
 
 THREADS_SCRIPT = """
 import pickle, sys, torch
 import test_paged_attention_cpu as t
-case = t.Case([(1, 3000), (1, 70), (300, 900), (2, 5000)], kv_heads=2, group=4, seed=13)
-sys.stdout.buffer.write(pickle.dumps(case.run().view(torch.int16).tolist()))
+outs = []
+for features in ({}, dict(window=333, soft_cap=4.0, sinks=True)):
+    case = t.Case([(1, 3000), (1, 70), (300, 900), (2, 5000)], kv_heads=2, group=4, seed=13, **features)
+    outs.append(case.run().view(torch.int16).tolist())
+sys.stdout.buffer.write(pickle.dumps(outs))
 """
 
 
@@ -218,9 +344,14 @@ ISA_SCRIPT = """
 import pickle, sys, torch
 import test_paged_attention_cpu as t
 outs = []
-for seed, (head_size, hnd, swizzle, dtype) in enumerate([(64, False, True, torch.bfloat16), (128, True, False, torch.float16),
-                                                         (256, False, False, torch.float32), (128, True, True, torch.float32)]):
-    case = t.Case(t.MIXED, head_size=head_size, hnd=hnd, swizzle=swizzle, dtype=dtype, seed=seed)
+features = dict(window=45, soft_cap=2.0, sinks=True)
+for seed, (head_size, hnd, swizzle, dtype, extra) in enumerate([
+        (64, False, True, torch.bfloat16, {}), (128, True, False, torch.float16, {}),
+        (256, False, False, torch.float32, {}), (128, True, True, torch.float32, {}),
+        (64, True, False, torch.float32, features), (128, False, True, torch.bfloat16, features),
+        (256, True, True, torch.float32, dict(soft_cap=0.7))]):
+    case = t.Case(t.MIXED, head_size=head_size, hnd=hnd, swizzle=swizzle, dtype=dtype, seed=seed, **extra)
+    case.poison_keys_outside_windows()
     out = case.run()
     case.check(out)
     outs.append((out[:case.num_tokens].float().tolist(), dtype == torch.float32))
@@ -294,10 +425,19 @@ def bad_arguments(case: Case):
         (12, -1, "max_seq_len: must be non-negative"),
         (13, torch.empty_like(q, dtype=torch.float32), "out: dtype must be query's BFloat16"),
         (13, q[:-1].clone(), "out: must have query's shape"),
+        (14, -1, "sliding_window: must be >= 0 (0: no window), got -1"),
+        (15, -2.0, "logits_soft_cap: must be finite and >= 0 (0: no soft-cap), got -2"),
+        (15, math.inf, "logits_soft_cap: must be finite and >= 0 (0: no soft-cap), got inf"),
+        (15, math.nan, "logits_soft_cap: must be finite and >= 0 (0: no soft-cap), got nan"),
+        (16, torch.zeros(8, dtype=torch.float64), "sinks: dtype must be float32, got Double"),
+        (16, torch.zeros(8, dtype=torch.bfloat16), "sinks: dtype must be float32, got BFloat16"),
+        (16, torch.zeros(9), "sinks: must be a contiguous [num_q_heads] = [8] tensor, got shape [9]"),
+        (16, torch.zeros(8, 1), "sinks: must be a contiguous [num_q_heads] = [8] tensor, got shape [8, 1]"),
+        (16, torch.zeros(16)[::2], "sinks: must be a contiguous [num_q_heads] = [8] tensor"),
     ]
 
 
-@pytest.mark.parametrize("index", range(23))
+@pytest.mark.parametrize("index", range(32))
 def test_bad_arguments_name_the_argument(index):
     case = Case([(1, 40), (5, 20)], seed=16)
     out = torch.full_like(case.query, float("nan"))
@@ -331,12 +471,15 @@ def cases(draw) -> Case:
     return Case(requests, head_size=draw(st.sampled_from([64, 128, 256])), kv_heads=draw(st.integers(1, 3)),
                 group=draw(st.sampled_from([1, 2, 3, 4, 8])), block_size=block_size, hnd=draw(st.booleans()),
                 swizzle=swizzle, dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
-                causal=draw(st.booleans()), seed=draw(st.integers(0, 2**20)))
+                causal=draw(st.booleans()), seed=draw(st.integers(0, 2**20)),
+                window=draw(st.one_of(st.just(0), st.integers(1, 800))),
+                soft_cap=draw(st.one_of(st.just(0.0), st.floats(0.1, 100.0))), sinks=draw(st.booleans()))
 
 
 @FUZZ
 @given(case=cases())
 def test_fuzz_against_reference(case):
+    case.poison_keys_outside_windows()
     out = case.run()
     if case.num_tokens:
         case.check(out)

@@ -135,3 +135,55 @@ def test_reference_with_nothing_to_do_writes_nothing():
     cache = indexer.allocate(2, fill=0x5A)
     reference.indexer_k_quant_and_cache(torch.randn(3, 128), cache, torch.full((3,), -1), 128, "ue8m0")
     assert bool((cache == 0x5A).all())
+
+
+def dense_attention(q, k, v, scale, causal, window, soft_cap, sinks):
+    """One request, one (query, head) at a time in float64: the softmax over the keys the row sees, written out."""
+    n, heads, d = q.shape
+    c, kv_heads, _ = k.shape
+    out = torch.zeros(n, heads, d, dtype=torch.float64)
+    for i in range(n):
+        p = c - n + i
+        keys = [j for j in range(c) if (not causal or j <= p) and (window == 0 or j > p - window)]
+        for h in range(heads):
+            hk = h // (heads // kv_heads)
+            logits = [scale * float(q[i, h].double() @ k[j, hk].double()) for j in keys]
+            if soft_cap:
+                logits = [soft_cap * math.tanh(s / soft_cap) for s in logits]
+            top = max(logits + ([float(sinks[h])] if sinks is not None else []))
+            weights = [math.exp(s - top) for s in logits]
+            denominator = sum(weights) + (math.exp(float(sinks[h]) - top) if sinks is not None else 0.0)
+            for w, j in zip(weights, keys):
+                out[i, h] += w / denominator * v[j, hk].double()
+    return out
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+@pytest.mark.parametrize("features", [dict(), dict(window=1), dict(window=7), dict(window=40), dict(soft_cap=0.8),
+                                      dict(sinks=True), dict(window=6, soft_cap=2.0, sinks=True)],
+                         ids=["plain", "window 1", "window 7", "window 40", "soft-cap", "sinks", "all"])
+def test_paged_attention_against_a_dense_softmax(causal, features):
+    """The oracle's window (the query at p sees keys > p - w), soft-cap (c·tanh(s/c) on the scaled logit) and sinks
+    (one more logit per head in the denominator only) against the softmax written out key by key."""
+    from vllm_nvfp4_plugin.tools.paged_case import PagedCase, dequantized
+
+    gen = torch.Generator().manual_seed(1)
+    layout = NVFP4PageLayout(64, 4, 2)
+    requests, heads, scale, k_scale, v_scale = [(1, 13), (5, 5), (4, 11)], 4, 0.4, 0.5, 2.0
+    case = PagedCase(requests, layout, heads, gen, dtype=torch.float32, k_scale=k_scale, v_scale=v_scale)
+    cache = layout.allocate(case.num_blocks, fill=0)
+    key, value, slots = case.context_tokens()
+    reference.reshape_and_cache_nvfp4(key, value, cache[:, 0], cache[:, 1], slots, torch.tensor([k_scale]),
+                                      torch.tensor([v_scale]), False)
+    window, soft_cap = features.get("window", 0), features.get("soft_cap", 0.0)
+    sinks = torch.randn(heads, generator=gen) * 2 if features.get("sinks") else None
+    query = torch.cat(case.q)
+    out = torch.zeros_like(query)
+    reference.nvfp4_paged_attention(query, cache[:, 0], cache[:, 1], case.block_table, case.query_start_loc(),
+                                    torch.tensor(case.seq_lens, dtype=torch.int32), torch.tensor([k_scale]),
+                                    torch.tensor([v_scale]), scale, causal, False, 5, 13, out, window, soft_cap, sinks)
+    starts = case.query_start_loc().tolist()
+    for r in range(len(requests)):
+        want = dense_attention(case.q[r], dequantized(case.k[r], k_scale), dequantized(case.v[r], v_scale), scale,
+                               causal, window, soft_cap, sinks)
+        torch.testing.assert_close(out[starts[r]:starts[r + 1]].double(), want, rtol=1e-5, atol=1e-5)

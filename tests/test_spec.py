@@ -3,10 +3,12 @@
 import pytest
 import torch
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheTensor, KVQuantMode, create_kv_cache_views
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheTensor, KVQuantMode, SlidingWindowSpec,
+                                        create_kv_cache_views)
 
 from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.attention import store_kv
+from vllm_nvfp4_plugin.attention import MODEL_FEATURES
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.vllm_adapter.common import check_nvfp4_layer, core_metadata
 from vllm_nvfp4_plugin.vllm_adapter.cpu_backend import NVFP4CPUAttentionBackend
@@ -98,25 +100,62 @@ def test_layer_checks_name_what_is_unsupported():
         check_nvfp4_layer("nvfp4_ds_mla", AttentionType.DECODER, 128, 8, 2)
     with pytest.raises(NotImplementedError, match="attn_type"):
         check_nvfp4_layer("nvfp4", AttentionType.ENCODER_ONLY, 128, 8, 2)
-    with pytest.raises(NotImplementedError, match="sliding window"):
+    with pytest.raises(NotImplementedError, match="sliding window"):  # a backend naming no features (CUDA's)
         check_nvfp4_layer("nvfp4", AttentionType.DECODER, 128, 8, 2, sliding_window=4096)
+    with pytest.raises(NotImplementedError, match="sinks"):
+        check_nvfp4_layer("nvfp4", AttentionType.DECODER, 128, 8, 2, sinks=torch.zeros(8))
+    check_nvfp4_layer("nvfp4", AttentionType.DECODER, 128, 8, 2, sliding_window=4096, logits_soft_cap=30.0,
+                      sinks=torch.zeros(8), supported_features=MODEL_FEATURES)  # what the CPU backend serves
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        check_nvfp4_layer("nvfp4", AttentionType.DECODER, 128, 8, 2, alibi_slopes=[0.5] * 8,
+                          supported_features=MODEL_FEATURES)
     with pytest.raises(ValueError, match="head_size"):
         check_nvfp4_layer("nvfp4", AttentionType.DECODER, 80, 8, 2)
 
 
-def test_impl_refuses_unsupported_features_and_defers_other_dtypes():
-    from vllm.config import ModelConfig, VllmConfig, set_current_vllm_config
+def tiny_config(**cache):
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig
 
     from vllm_nvfp4_plugin.tools.models import tiny_llama_path
 
+    return VllmConfig(model_config=ModelConfig(model=str(tiny_llama_path()), dtype="bfloat16", max_model_len=2048),
+                      cache_config=CacheConfig(**cache))
+
+
+def test_cpu_impl_serves_model_features_refuses_alibi_and_defers_other_dtypes():
+    from vllm.config import set_current_vllm_config
+
     impl_cls = NVFP4CPUAttentionBackend.get_impl_cls()
-    config = VllmConfig(model_config=ModelConfig(model=str(tiny_llama_path()), dtype="bfloat16"))
-    with set_current_vllm_config(config):
-        with pytest.raises(NotImplementedError, match="soft-cap"):
-            impl_cls(8, 128, 0.1, 2, None, None, "nvfp4", logits_soft_cap=30.0)
-        assert impl_cls(8, 128, 0.1, 2, None, None, "nvfp4").nvfp4
+    with set_current_vllm_config(tiny_config()):
+        impl = impl_cls(8, 128, 0.1, 2, None, 512, "nvfp4", logits_soft_cap=30.0, sinks=torch.zeros(8))
+        assert impl.nvfp4 and impl.sliding_window == 512
+        with pytest.raises(NotImplementedError, match="ALiBi"):
+            impl_cls(8, 128, 0.1, 2, [0.5] * 8, None, "nvfp4")
         bf16 = impl_cls(8, 96, 0.1, 2, None, 4096, "auto", logits_soft_cap=30.0)  # vLLM's own path takes these
         assert not bf16.nvfp4
+
+
+@pytest.mark.parametrize("window", [None, 512], ids=["global", "sliding"])
+def test_layer_spec_of_vllm_attention(window):
+    """vLLM's own Attention layer on the plugin's CPU backend: a sliding-window layer gets vLLM's
+    SlidingWindowSpec (so pages that leave the window are freed), a global one FullAttentionSpec, both packed as
+    the NVFP4 page."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    config = tiny_config(cache_dtype="nvfp4", block_size=16)
+    with set_current_vllm_config(config):  # the backend given as the registered CPU_ATTN would be
+        layer = Attention(num_heads=4, head_size=256, scale=0.0625, num_kv_heads=1, cache_config=config.cache_config,
+                          prefix="model.layers.0.self_attn.attn", per_layer_sliding_window=window,
+                          logits_soft_cap=30.0, attn_backend=NVFP4CPUAttentionBackend)
+        spec = customize_attention_spec(layer.get_attn_backend(), layer.get_kv_cache_spec(config))
+    assert layer.impl.nvfp4 and layer.impl.sliding_window == (window or -1)
+    if window is None:
+        assert type(spec) is FullAttentionSpec
+    else:
+        assert type(spec) is SlidingWindowSpec and spec.sliding_window == 512
+    assert spec.page_size_bytes == NVFP4PageLayout(256, spec.block_size, 1).page_bytes
 
 
 def test_core_metadata_from_vllm_batch():

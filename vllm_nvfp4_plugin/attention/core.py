@@ -13,6 +13,8 @@ second reference.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn.functional as F
 
@@ -22,25 +24,41 @@ from .metadata import NVFP4AttentionMetadata
 
 SUPPORTED_HEAD_SIZES = (64, 128, 256)
 COMPUTE_DTYPE = torch.float32  # dequantized K/V and the softmax; AVX2 CPUs multiply fp32 fastest
+# The model features `nvfp4_paged_attention` serves on CPU; a backend names the ones its kernels serve.
+MODEL_FEATURES = ("sliding_window", "logits_soft_cap", "sinks")
 
 
 def check_supported(head_size: int, num_heads: int, num_kv_heads: int, *, sliding_window: int | None = None,
-                    logits_soft_cap: float | None = None, alibi_slopes=None, sinks=None) -> None:
-    """Raise naming the first argument this attention cannot honour (checked once, at engine start)."""
+                    logits_soft_cap: float | None = None, alibi_slopes=None, sinks=None,
+                    supported_features: Collection[str] = ()) -> None:
+    """Raise naming the first argument this attention cannot honour (checked once, at engine start).
+
+    `supported_features` are the MODEL_FEATURES the calling backend serves; the others are refused, and ALiBi
+    always is."""
     if head_size not in SUPPORTED_HEAD_SIZES:
         raise ValueError(f"NVFP4 KV cache attention supports head_size in {SUPPORTED_HEAD_SIZES}, got {head_size}")
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    unknown = set(supported_features) - set(MODEL_FEATURES)
+    if unknown:
+        raise ValueError(f"supported_features must be among {MODEL_FEATURES}, got {sorted(unknown)}")
     if sliding_window is not None and sliding_window != -1:
-        raise NotImplementedError(f"NVFP4 KV cache attention does not support sliding window "
-                                  f"(sliding_window={sliding_window})")
-    if logits_soft_cap:
+        if "sliding_window" not in supported_features:
+            raise NotImplementedError(f"NVFP4 KV cache attention does not support sliding window "
+                                      f"(sliding_window={sliding_window})")
+        if sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive (None or -1: no window), got {sliding_window}")
+    if logits_soft_cap and "logits_soft_cap" not in supported_features:
         raise NotImplementedError(f"NVFP4 KV cache attention does not support logits soft-cap "
                                   f"(logits_soft_cap={logits_soft_cap})")
     if alibi_slopes is not None:
         raise NotImplementedError("NVFP4 KV cache attention does not support ALiBi (alibi_slopes given)")
     if sinks is not None:
-        raise NotImplementedError("NVFP4 KV cache attention does not support attention sinks (sinks given)")
+        if "sinks" not in supported_features:
+            raise NotImplementedError("NVFP4 KV cache attention does not support attention sinks (sinks given)")
+        if tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must have one value per query head, shape ({num_heads},), "
+                             f"got {tuple(sinks.shape)}")
 
 
 def cache_layout(kv_cache: torch.Tensor, swizzle_v_scales: bool = False) -> NVFP4PageLayout:
@@ -97,15 +115,21 @@ def _check_batch(query: torch.Tensor, layout: NVFP4PageLayout, metadata: NVFP4At
 
 def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4AttentionMetadata, scale: float,
                     k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor, *,
-                    swizzle_v_scales: bool = False, workspace: DequantWorkspace | None = None) -> torch.Tensor:
+                    swizzle_v_scales: bool = False, workspace: DequantWorkspace | None = None,
+                    sliding_window: int = 0, logits_soft_cap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of `query` `[num_tokens, num_heads, head]` over the NVFP4 cache into `out` (same shape).
 
     Rows past `metadata.num_query_tokens` (padding) are left untouched. `k_scale`/`v_scale` are the
     float32 global dequant scales the cache was written with. CPU tensors take the plugin's kernel, with the
     metadata's host-side length bounds where set and the batch's own lengths otherwise; other devices take
-    `paged_attention_reference` (with `workspace`).
+    `paged_attention_reference` (with `workspace`). The model features (`nvfp4_paged_attention`'s
+    `sliding_window`, `logits_soft_cap`, float32 `sinks`) are the kernel's: other devices refuse them.
     """
     if not query.is_cpu:
+        if sliding_window or logits_soft_cap or sinks is not None:
+            raise NotImplementedError(f"paged_attention on {query.device.type}: sliding window, soft-cap and sinks "
+                                      "are served by the CPU kernel only")
         return paged_attention_reference(query, kv_cache, metadata, scale, k_scale, v_scale, out,
                                          swizzle_v_scales=swizzle_v_scales, workspace=workspace)
     layout = cache_layout(kv_cache, swizzle_v_scales)
@@ -114,7 +138,8 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4
     max_seq_len = metadata.max_seq_len or max(seq_lens, default=0)
     kv_ops.nvfp4_paged_attention(query, kv_cache[:, 0], kv_cache[:, 1], metadata.block_table,
                                  metadata.query_start_loc, metadata.seq_lens, k_scale, v_scale, scale,
-                                 metadata.causal, swizzle_v_scales, max_query_len, max_seq_len, out)
+                                 metadata.causal, swizzle_v_scales, max_query_len, max_seq_len, out, sliding_window,
+                                 logits_soft_cap, sinks)
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import gc
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -147,3 +148,47 @@ def _compare(run, engine_kwargs: dict, label: str, teachers: list[list[int]],
                           sum(all_agree) / len(all_agree), sum(all_kl) / len(all_kl), max(all_kl), teachers,
                           agree, kl, math.exp(nll["reference"] / len(all_agree)),
                           math.exp(nll["candidate"] / len(all_agree)))
+
+
+def format_fidelity(model_dir, prompts: list[str], continuations: list[list[int]], *, eager: bool = False
+                    ) -> tuple[list[list[bool]], list[list[float]]]:
+    """What the NVFP4 format itself costs, without vLLM: Hugging Face transformers runs the model on each prompt
+    and its continuation's token ids twice, with plain attention and with every key and value (after RoPE, as the
+    cache stores them) rounded through the reference NVFP4 encode and decode (unit global scale). Returns, per
+    prompt and measured step (continuation tokens 1 onward, as `teacher_forced_agreement`), top-1 agreement and
+    KL(plain || rounded).
+
+    Attention is torch's SDPA, or with `eager` the model's own eager attention (gpt-oss: SDPA cannot add sinks).
+    The rounded variant is registered with the matching mask builder, so sliding windows stay as the model has
+    them."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    from .. import reference
+
+    def rounded(x):
+        return reference.nvfp4_decode(*reference.nvfp4_encode(x, 1.0), 1.0, x.dtype)
+
+    def nvfp4_attention(module, query, key, value, attention_mask, **kwargs):
+        attend = sys.modules[type(module).__module__].eager_attention_forward if eager else sdpa_attention_forward
+        return attend(module, query, rounded(key), rounded(value), attention_mask, **kwargs)
+
+    plain, simulated = ("eager", "nvfp4_eager") if eager else ("sdpa", "nvfp4_sdpa")
+    AttentionInterface.register(simulated, nvfp4_attention)
+    AttentionMaskInterface.register(simulated, eager_mask if eager else sdpa_mask)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    logprobs = {}
+    for impl in (plain, simulated):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation=impl)
+        logprobs[impl] = []
+        for prompt, continuation in zip(prompts, continuations):
+            prompt_ids = tokenizer(prompt).input_ids
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt_ids + continuation])).logits[0].float()
+            logprobs[impl].append(logits[len(prompt_ids):len(prompt_ids) + len(continuation) - 1].log_softmax(-1))
+    agreement, kl = [], []
+    for ref, sim in zip(logprobs[plain], logprobs[simulated]):
+        agreement.append((ref.argmax(-1) == sim.argmax(-1)).tolist())
+        kl.append((ref.exp() * (ref - sim)).sum(-1).tolist())
+    return agreement, kl

@@ -7,9 +7,12 @@
   Google's Q4_K_M GGUF split in four (Gemma terms of use, their `data/GEMMA_TERMS.html`). Its keys pass through a
   learned RMSNorm (QK-norm), which leaves a few channels of every layer far above the rest: the outlier-key model
   of the KV-quality measurements (docs/KV_QUALITY.md). 18 layers, 1 KV head of 256; 15 layers slide a 512-token
-  window, so engines over it keep max_model_len <= 512, where the window covers the whole sequence.
+  window, which the CPU backend serves at any max_model_len (backends without window support need
+  max_model_len <= 512, where the window covers the whole sequence).
 - A tiny random Llama (2 layers, hidden 128, 4 query heads / 2 KV heads) that reuses SmolLM2's tokenizer,
   for engine tests that must start fast.
+- A tiny random gpt-oss (2 layers: the first slides a 128-token window, both have attention sinks; 4 experts),
+  with SmolLM2's tokenizer: the attention-sink architecture for engine tests.
 
 Folders live under `$VLLM_NVFP4_CACHE` (default `~/.cache/vllm_nvfp4_plugin`). Each is built in a temp
 folder next to its final place and renamed into it, so a folder that exists is complete, and concurrent
@@ -201,9 +204,55 @@ def tiny_llama_path(head_dim: int = 64, cache_dir: str | os.PathLike | None = No
     return _build_once(cache_root(cache_dir) / f"tiny-llama-h{head_dim}-v{FORMAT_VERSION}", build)
 
 
+# The tiny gpt-oss's first layer attends to this many tokens.
+TINY_GPT_OSS_SLIDING_WINDOW = 128
+
+
+def tiny_gpt_oss_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder of a 2-layer random gpt-oss (hidden 256, 4 query / 2 KV heads of 64, 4 experts, top-2; layer 0 slides
+    a TINY_GPT_OSS_SLIDING_WINDOW-token window; transformers' init, seed 0) with SmolLM2's tokenizer. Its attention
+    logits are small, and its sink logits are drawn around 5, so a sink takes a fifth to a half of each softmax
+    over a few hundred keys: dropping the sinks, or the window, moves its next-token distributions far more than
+    NVFP4's rounding does. (At init std 0.1, as the tiny Llama, NVFP4 alone would flip most of its argmaxes.)"""
+
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_path(cache_dir))
+        config = GptOssConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=256,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=TINY_GPT_OSS_SLIDING_WINDOW,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 10000.0},
+            tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        torch.manual_seed(0)
+        model = GptOssForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads) + 5.0)
+        model.to(torch.bfloat16).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+
+    return _build_once(cache_root(cache_dir) / f"tiny-gpt-oss-v{FORMAT_VERSION}", build)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Prepare a cached model folder and print its path.")
-    parser.add_argument("model", nargs="?", default="smollm2", choices=["smollm2", "gemma3", "tiny"])
+    parser.add_argument("model", nargs="?", default="smollm2", choices=["smollm2", "gemma3", "tiny", "tiny-gpt-oss"])
     parser.add_argument("--head-dim", type=int, default=64, help="head size of the tiny model")
     parser.add_argument("--cache-dir", default=None, help=f"default: ${CACHE_ENV} or ~/.cache/vllm_nvfp4_plugin")
     args = parser.parse_args()
@@ -211,6 +260,8 @@ def main() -> None:
         print(smollm2_path(args.cache_dir))
     elif args.model == "gemma3":
         print(gemma3_path(args.cache_dir))
+    elif args.model == "tiny-gpt-oss":
+        print(tiny_gpt_oss_path(args.cache_dir))
     else:
         print(tiny_llama_path(args.head_dim, args.cache_dir))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
@@ -28,15 +30,18 @@ def current_max_model_len() -> int | None:
 
 
 def check_nvfp4_layer(kv_cache_dtype: str, attn_type: str, head_size: int, num_heads: int, num_kv_heads: int,
-                      *, sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None) -> None:
-    """Raise, at model construction (engine start), naming what an NVFP4-cached layer asks that the core lacks.
-    A sliding window at least as long as max_model_len is no window: such layers are served."""
+                      *, sliding_window=None, logits_soft_cap=None, alibi_slopes=None, sinks=None,
+                      supported_features: Collection[str] = ()) -> None:
+    """Raise, at model construction (engine start), naming what an NVFP4-cached layer asks that the calling
+    backend's kernels lack (`supported_features`: the attention core's MODEL_FEATURES they serve). A sliding window
+    at least as long as max_model_len is no window: such layers are served by every backend."""
     check_nvfp4_kv_cache_dtype(kv_cache_dtype)
     if attn_type != AttentionType.DECODER:
         raise NotImplementedError(f"NVFP4 KV cache supports decoder attention only, got attn_type={attn_type!r}")
     sliding_window = effective_sliding_window(sliding_window, current_max_model_len())
     check_supported(head_size, num_heads, num_kv_heads, sliding_window=sliding_window,
-                    logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks)
+                    logits_soft_cap=logits_soft_cap, alibi_slopes=alibi_slopes, sinks=sinks,
+                    supported_features=supported_features)
 
 
 def store_nvfp4_kv(kv_cache_dtype: str, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -2,7 +2,9 @@
 
 Registered in place of `CPU_ATTN` (the only backend vLLM's CPU platform selects). With
 `kv_cache_dtype="nvfp4"` (or "nvfp4_4over6") the spec, metadata, store and attention are the plugin's; with any other
-dtype every call goes to vLLM's own CPU backend unchanged.
+dtype every call goes to vLLM's own CPU backend unchanged. NVFP4 layers with a sliding window, a logit soft-cap or
+attention sinks are served (the kernel's model features); a sliding-window layer keeps vLLM's `SlidingWindowSpec`,
+packed as an NVFP4 page, so vLLM frees the pages that leave the window. ALiBi is refused.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
                                                  CPUAttentionMetadataBuilder)
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from ..attention import DequantWorkspace, NVFP4AttentionMetadata, paged_attention
+from ..attention import MODEL_FEATURES, DequantWorkspace, NVFP4AttentionMetadata, paged_attention
 from .common import LayerKVPolicy, check_nvfp4_layer, core_metadata, engine_kv_calibration
 from .spec import NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
 
@@ -91,7 +93,7 @@ class NVFP4CPUAttentionImpl(CPUAttentionBackendImpl):
             return
         check_nvfp4_layer(self.kv_cache_dtype, self.attn_type, self.head_size, self.num_heads, self.num_kv_heads,
                           sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap,
-                          alibi_slopes=self.alibi_slopes, sinks=self.sinks)
+                          alibi_slopes=self.alibi_slopes, sinks=self.sinks, supported_features=MODEL_FEATURES)
         self.calibration = engine_kv_calibration()  # raises here, at engine start, on a file that does not fit
         self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
         logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CPU (head size %d, %d query / %d KV heads)",
@@ -125,6 +127,9 @@ class NVFP4CPUAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("NVFP4 KV cache attention on CPU does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output
+        # The parent keeps vLLM's "off" values: window -1, soft-cap 0; sinks in the model's dtype.
+        sinks = self.sinks.to(torch.float32) if self.sinks is not None else None
         paged_attention(self._layer_policy(layer).query(query), page_view(kv_cache, self.num_kv_heads), attn_metadata,
-                        self.scale, layer._k_scale, layer._v_scale, output.view(query.shape), workspace=_WORKSPACE)
+                        self.scale, layer._k_scale, layer._v_scale, output.view(query.shape), workspace=_WORKSPACE,
+                        sliding_window=max(self.sliding_window, 0), logits_soft_cap=self.logits_soft_cap, sinks=sinks)
         return output
