@@ -8,7 +8,8 @@
 // request share each dequantized KV tile. The CTA streams its KV range in tiles of TILE tokens: the raw page
 // bytes (E2M1 codes and E4M3 scales) are copied by cp.async into a ring of shared-memory stages, and each warp
 // decodes its part of a tile straight into mma.sync fragments in registers. Warps split a tile's query rows
-// (prefill: WARPS_M = 4) or its tokens (decode: WARPS_N = 4, merged through shared memory at the end).
+// (WARPS_M = 4 for more than 32 rows) or, with 17–32 rows, two pairs of warps split its tokens (WARPS_N = 2,
+// merged through shared memory at the end).
 //
 // Exact tensor-core inputs: a code is turned into the float16 of (its E2M1 value · 2^-14) by two shifts and a
 // mask (E2M1 is float16's sign, low two exponent bits and top mantissa bit), then multiplied by its E4M3 block
