@@ -435,7 +435,7 @@ void check_attention_features(int64_t sliding_window, double logits_soft_cap, co
   check_dtype(op, "sinks", *sinks, {ScalarType::Float}, "float32");
   NVFP4_CHECK(sinks->dim() == 1 && sinks->size(0) == query.size(1) && (sinks->size(0) <= 1 || sinks->stride(0) == 1),
               op, ": sinks: must be a contiguous [num_q_heads] = [", query.size(1), "] tensor, got shape ",
-              shape_of(*sinks));
+              shape_of(*sinks), sinks->dim() == 1 ? " with stride " + std::to_string(sinks->stride(0)) : "");
   check_same_device(op, "sinks", *sinks, query, "query");
 }
 
