@@ -66,7 +66,9 @@ def extension():
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         # USE_CUDA declares the stable ABI's current-stream getter.
         cxx += ["-DUSE_CUDA"]
-        args["nvcc"] = ["-O3", "-fmad=false", TORCH_TARGET_VERSION, "-DUSE_CUDA"]
+        # --threads: nvcc compiles a file's architectures in parallel (NVCC_THREADS, default one per CPU).
+        args["nvcc"] = ["-O3", "-fmad=false", TORCH_TARGET_VERSION, "-DUSE_CUDA",
+                        f"--threads={os.environ.get('NVCC_THREADS', '0')}"]
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             args["nvcc"] += gencode_flags(default_cuda_archs(nvcc_version()))
     make = CUDAExtension if use_cuda else CppExtension

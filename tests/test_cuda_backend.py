@@ -12,11 +12,13 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
+from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
-from vllm_nvfp4_plugin.tools.paged_case import PagedCase
+from vllm_nvfp4_plugin.tools.paged_case import PagedCase, relative_l2
 from vllm_nvfp4_plugin.vllm_adapter import register_attention_backends
 from vllm_nvfp4_plugin.vllm_adapter.cuda_backend import (NVFP4CudaBackend, NVFP4CudaMetadataBuilder,
                                                          shared_decode_params)
+from vllm_nvfp4_plugin.vllm_adapter.spec import page_view
 
 HOPPER = DeviceCapability(9, 0)
 
@@ -39,13 +41,15 @@ def test_valid_configuration(head_size, kv_cache_dtype):
     assert _reasons(head_size, kv_cache_dtype=kv_cache_dtype) == []
 
 
+def test_sinks_and_sliding_window_are_valid():
+    assert _reasons(has_sink=True, has_sliding_window=True) == []
+
+
 @pytest.mark.parametrize("kwargs, reason", [
     ({"kv_cache_dtype": "auto"}, "needs kv_cache_dtype in"),
     ({"kv_cache_dtype": "fp8"}, "needs kv_cache_dtype in"),
     ({"head_size": 96}, "head_size not supported"),
     ({"dtype": torch.float32}, "dtype not supported"),
-    ({"has_sink": True}, "attention sinks not supported"),
-    ({"has_sliding_window": True}, "sliding window not supported"),
     ({"capability": DeviceCapability(7, 5)}, "compute capability not supported"),
 ])
 def test_invalid_configuration_names_the_reason(kwargs, reason):
@@ -81,9 +85,8 @@ def attention_layer(vllm_config, num_heads=8, head_size=128, scale=0.1, num_kv_h
 
 @pytest.mark.parametrize("kwargs, error, match", [
     ({"cache_dtype": "auto"}, ValueError, "kv_cache_dtype in \\('nvfp4', 'nvfp4_4over6'\\) only"),
-    ({"logits_soft_cap": 30.0}, NotImplementedError, "does not support logits soft-cap"),
-    ({"per_layer_sliding_window": 4096}, NotImplementedError, "does not support sliding window"),
-    ({"sinks": torch.zeros(8)}, NotImplementedError, "does not support attention sinks"),
+    ({"per_layer_sliding_window": 0}, ValueError, "sliding_window must be positive"),
+    ({"sinks": torch.zeros(4)}, ValueError, "sinks must have one value per query head"),
     ({"alibi_slopes": [0.5] * 8}, NotImplementedError, "does not support ALiBi"),
     ({"attn_type": "encoder_only"}, NotImplementedError, "decoder attention only"),
     ({"head_size": 96}, ValueError, "supports head_size in"),
@@ -153,3 +156,51 @@ def test_builder_and_impl_match_fp32_attention(vllm_config, hnd):
     errors = case.errors(out, d ** -0.5)
     assert max(errors) <= 1e-2, errors
     assert torch.all(out[int(query_start[-1]):] == 7.0), "padding rows must stay untouched"
+
+
+@pytest.mark.parametrize("features", [
+    {"per_layer_sliding_window": 20},
+    {"logits_soft_cap": 2.0},
+    {"sinks": True},
+    {"per_layer_sliding_window": 9, "logits_soft_cap": 2.0, "sinks": True},
+])
+def test_model_features_reach_the_kernel(vllm_config, features, device):
+    """A layer with a window, soft-cap or sinks: build → store → forward (on CUDA the plugin's kernel for the whole
+    batch, on CPU the core's CPU kernel) against the reference over the same pages, which applies the same
+    features; without them the output moves."""
+    gen = torch.Generator().manual_seed(len(features))
+    heads, kv_heads, d, block = 4, 2, 64, 16
+    requests = [(1, 45), (6, 38), (17, 17)]  # decode, chunk over a cached prefix, fresh prompt
+    sinks = (torch.randn(heads, generator=gen) + 2.0).to(device) if features.pop("sinks", False) else None
+    layer = attention_layer(vllm_config, heads, d, d ** -0.5, kv_heads, sinks=sinks, **features)
+    layer._k_scale, layer._v_scale = layer._k_scale.to(device), layer._v_scale.to(device)
+    assert layer.impl.model_features
+    spec = NVFP4CudaBackend.customize_spec(FullAttentionSpec(
+        block_size=block, num_kv_heads=kv_heads, head_size=d, dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4))
+    builder = NVFP4CudaMetadataBuilder(spec, [layer.layer_name], vllm_config, torch.device(device))
+    case = PagedCase(requests, NVFP4PageLayout(d, block, kv_heads), heads, gen)
+    kv_cache = _vllm_layer_cache(case.num_blocks, kv_heads, block, spec.state_content_bytes, hnd=False).to(device)
+    earlier_key, earlier_value, earlier_slots = (t.to(device) for t in case.earlier_tokens())
+    layer.impl.do_kv_cache_update(layer, earlier_key, earlier_value, kv_cache, earlier_slots)
+    query, key, value, slot_mapping = (t.to(device) for t in case.step())
+    query_start_cpu = case.query_start_loc()
+    query_start, block_table = query_start_cpu.to(device), case.block_table.to(device)
+    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start, query_start_loc_cpu=query_start_cpu, seq_lens=seq_lens.to(device),
+        num_reqs=len(requests), num_actual_tokens=int(query_start_cpu[-1]), max_query_len=17, max_seq_len=45,
+        block_table_tensor=block_table, slot_mapping=slot_mapping, seq_lens_cpu_upper_bound=seq_lens)
+    metadata = builder.build(0, common)
+    layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+    output = torch.empty(query.shape[0], heads * d, dtype=torch.bfloat16, device=device)
+    layer.impl.forward(layer, query, key, value, kv_cache, metadata, output)
+
+    page = page_view(kv_cache, kv_heads)
+    args = (query, page[:, 0], page[:, 1], block_table, query_start, seq_lens.to(device), layer._k_scale,
+            layer._v_scale, d ** -0.5, True, False, 17, 45)
+    want, plain = torch.empty_like(query), torch.empty_like(query)
+    reference.nvfp4_paged_attention(*args, want, layer.impl.sliding_window, layer.impl.logits_soft_cap, sinks)
+    reference.nvfp4_paged_attention(*args, plain)
+    got = output.view(query.shape)
+    assert relative_l2(got.cpu(), want.cpu()) <= 1e-2
+    assert relative_l2(got.cpu(), plain.cpu()) > 5e-2, "the features must change the output"

@@ -12,7 +12,8 @@ Optional keys: "logprobs": k adds each generated token's k most likely tokens' l
 "ignore_eos": true, and "plant_foreign_block_after": n makes the NVFP4 attention of request 0 read request 1's
 pages from the n-th attention batch on (a deliberately wrong page, to prove the tests catch one).
 The result also holds "num_preemptions", read from vLLM's metrics when the job passes "disable_log_stats": false.
-A fidelity job: {"fidelity": {teacher_forced_agreement kwargs}} → the FidelityResult's fields.
+A fidelity job: {"fidelity": {teacher_forced_agreement kwargs}} → the FidelityResult's fields; a comparison job:
+{"comparison": {teacher_forced_comparison kwargs}} → {label: the FidelityResult's fields}.
 """
 
 import json
@@ -41,6 +42,14 @@ def main(job: dict) -> None:
         from vllm_nvfp4_plugin.tools.fidelity import teacher_forced_agreement
 
         print("RESULT " + json.dumps(asdict(teacher_forced_agreement(**job["fidelity"]))))
+        return
+    if "comparison" in job:
+        from dataclasses import asdict
+
+        from vllm_nvfp4_plugin.tools.fidelity import teacher_forced_comparison
+
+        results = teacher_forced_comparison(**job["comparison"])
+        print("RESULT " + json.dumps({label: asdict(result) for label, result in results.items()}))
         return
 
     from vllm import LLM, SamplingParams

@@ -186,14 +186,18 @@ def plan_batch(metadata: NVFP4AttentionMetadata, query_start_loc_cpu: torch.Tens
 
 
 def plugin_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4AttentionMetadata,
-                           scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """The whole batch through the plugin's kernel; `metadata.max_query_len`/`max_seq_len` must bound the batch."""
+                           scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor, *,
+                           sliding_window: int = 0, logits_soft_cap: float = 0.0,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole batch through the plugin's kernel; `metadata.max_query_len`/`max_seq_len` must bound the batch.
+    The model features are `nvfp4_paged_attention`'s (0 or None: off)."""
     if metadata.max_query_len <= 0 or metadata.max_seq_len <= 0:
         raise ValueError(f"metadata needs positive host-side bounds max_query_len and max_seq_len for the plugin "
                          f"kernel's launch, got {metadata.max_query_len} and {metadata.max_seq_len}")
     ops.nvfp4_paged_attention(query, kv_cache[:, 0], kv_cache[:, 1], metadata.block_table, metadata.query_start_loc,
                               metadata.seq_lens, k_scale, v_scale, scale, metadata.causal, SWIZZLE_V_SCALES,
-                              metadata.max_query_len, metadata.max_seq_len, out)
+                              metadata.max_query_len, metadata.max_seq_len, out, sliding_window, logits_soft_cap,
+                              sinks)
     return out
 
 
@@ -306,16 +310,23 @@ def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                          batch: CudaBatch | KernelBatch | NVFP4AttentionMetadata,
                          scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, k_scale_float: float,
                          v_scale_float: float, out: torch.Tensor,
-                         workspace: DequantWorkspace | None = None) -> torch.Tensor:
+                         workspace: DequantWorkspace | None = None, *, sliding_window: int = 0,
+                         logits_soft_cap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of `query` `[num_tokens, num_heads, head]` over the `[num_blocks, 2, block, heads, full]` cache.
 
     `batch` is core metadata (the plugin's kernel for the whole batch), a `KernelBatch` (kernel for the decodes,
     dequantize + fa3 for the prefills) or a `CudaBatch` planned for the "fa2" reader. The global
     dequant scales come twice: as float32 device tensors for the plugin's ops and as floats for FlashInfer (which
-    folds them into its softmax scale and output).
+    folds them into its softmax scale and output). The model features (sliding window, soft-cap, float32 sinks)
+    are the plugin kernel's and the CPU core's: a batch planned for FlashInfer refuses them.
     """
+    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap, "sinks": sinks}
     if isinstance(batch, NVFP4AttentionMetadata):
-        return plugin_paged_attention(query, kv_cache, batch, scale, k_scale, v_scale, out)
+        return plugin_paged_attention(query, kv_cache, batch, scale, k_scale, v_scale, out, **features)
+    if sliding_window or logits_soft_cap or sinks is not None:
+        if isinstance(batch, KernelBatch) or batch.decoder is not None:
+            raise ValueError("sliding_window, logits_soft_cap and sinks need a batch planned for the plugin's kernel "
+                             "(core metadata), not for FlashInfer")
     if isinstance(batch, KernelBatch):
         n = batch.num_decode_tokens
         if batch.decoder is not None:
@@ -329,5 +340,5 @@ def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         batch.decoder.run(query[:n], kv_cache[:, 0], kv_cache[:, 1], k_scale_float, v_scale_float, out[:n])
     if batch.rest is not None:
         paged_attention(query[n:], kv_cache, batch.rest, scale, k_scale, v_scale, out[n:],
-                        swizzle_v_scales=SWIZZLE_V_SCALES, workspace=workspace)
+                        swizzle_v_scales=SWIZZLE_V_SCALES, workspace=workspace, **features)
     return out

@@ -13,6 +13,8 @@
   for engine tests that must start fast.
 - A tiny random gpt-oss (2 layers: the first slides a 128-token window, both have attention sinks; 4 experts),
   with SmolLM2's tokenizer: the attention-sink architecture for engine tests.
+- A tiny random Granite with the same window and sinks but a dense MLP: the attention-sink model for CUDA engines
+  that run without vLLM's compiled kernels (its MoE routing needs them).
 
 Folders live under `$VLLM_NVFP4_CACHE` (default `~/.cache/vllm_nvfp4_plugin`). Each is built in a temp
 folder next to its final place and renamed into it, so a folder that exists is complete, and concurrent
@@ -250,9 +252,50 @@ def tiny_gpt_oss_path(cache_dir: str | os.PathLike | None = None) -> Path:
     return _build_once(cache_root(cache_dir) / f"tiny-gpt-oss-v{FORMAT_VERSION}", build)
 
 
+def tiny_granite_path(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder of a 2-layer random Granite (hidden 256, 4 query / 2 KV heads of 64; transformers' init, seed 0) whose
+    first layer slides a TINY_GPT_OSS_SLIDING_WINDOW-token window and whose layers both have attention sinks drawn
+    around 5, as the tiny gpt-oss's (vLLM reads `layer_types` and `attention_sinks`; transformers' Granite has no
+    sinks, so they are written into the checkpoint beside its weights)."""
+
+    def build(out: Path) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+        from transformers import AutoTokenizer, GraniteConfig, GraniteForCausalLM
+
+        tokenizer = AutoTokenizer.from_pretrained(smollm2_path(cache_dir))
+        config = GraniteConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        config.sliding_window = TINY_GPT_OSS_SLIDING_WINDOW
+        config.layer_types = ["sliding_attention", "full_attention"]
+        config.attention_sinks = True
+        torch.manual_seed(0)
+        GraniteForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+        weights_file = out / "model.safetensors"
+        weights = load_file(weights_file)
+        for layer in range(config.num_hidden_layers):
+            sinks = torch.randn(config.num_attention_heads) + 5.0
+            weights[f"model.layers.{layer}.self_attn.sinks"] = sinks.to(torch.bfloat16)
+        save_file(weights, weights_file, metadata={"format": "pt"})
+        tokenizer.save_pretrained(out)
+
+    return _build_once(cache_root(cache_dir) / f"tiny-granite-sinks-v{FORMAT_VERSION}", build)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="Prepare a cached model folder and print its path.")
-    parser.add_argument("model", nargs="?", default="smollm2", choices=["smollm2", "gemma3", "tiny", "tiny-gpt-oss"])
+    parser.add_argument("model", nargs="?", default="smollm2", choices=["smollm2", "gemma3", "tiny", "tiny-gpt-oss",
+                                                                          "tiny-granite"])
     parser.add_argument("--head-dim", type=int, default=64, help="head size of the tiny model")
     parser.add_argument("--cache-dir", default=None, help=f"default: ${CACHE_ENV} or ~/.cache/vllm_nvfp4_plugin")
     args = parser.parse_args()
@@ -262,6 +305,8 @@ def main() -> None:
         print(gemma3_path(args.cache_dir))
     elif args.model == "tiny-gpt-oss":
         print(tiny_gpt_oss_path(args.cache_dir))
+    elif args.model == "tiny-granite":
+        print(tiny_granite_path(args.cache_dir))
     else:
         print(tiny_llama_path(args.head_dim, args.cache_dir))
 

@@ -121,6 +121,17 @@ class LayerKVPolicy:
         return query if self.key_scales is None else query * self._factor("query", query)
 
 
+class LayerPolicyOwner:
+    """Both backends' impls: the layer's `LayerKVPolicy`, resolved from its name at its first step (the name is
+    known only once the model is built). Needs `calibration`, `kv_cache_dtype`, `num_heads` and `policy`."""
+
+    def _layer_policy(self, layer: torch.nn.Module) -> LayerKVPolicy:
+        if self.policy is None:
+            self.policy = LayerKVPolicy.for_layer(self.calibration, self.kv_cache_dtype, layer.layer_name,
+                                                  self.num_heads)
+        return self.policy
+
+
 def core_metadata(common: CommonAttentionMetadata) -> NVFP4AttentionMetadata:
     """The core's view of one batch; `num_actual_tokens` bounds the stored slots (the rest is padding)."""
     if isinstance(common.causal, torch.Tensor):

@@ -19,7 +19,7 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..attention import MODEL_FEATURES, DequantWorkspace, NVFP4AttentionMetadata, paged_attention
-from .common import LayerKVPolicy, check_nvfp4_layer, core_metadata, engine_kv_calibration
+from .common import LayerKVPolicy, LayerPolicyOwner, check_nvfp4_layer, core_metadata, engine_kv_calibration
 from .spec import NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
 
 logger = init_logger("vllm.nvfp4_plugin.cpu")
@@ -85,7 +85,7 @@ class NVFP4CPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         return core_metadata(common_attn_metadata)
 
 
-class NVFP4CPUAttentionImpl(CPUAttentionBackendImpl):
+class NVFP4CPUAttentionImpl(LayerPolicyOwner, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.nvfp4 = _is_nvfp4(self.kv_cache_dtype)
@@ -98,12 +98,6 @@ class NVFP4CPUAttentionImpl(CPUAttentionBackendImpl):
         self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
         logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CPU (head size %d, %d query / %d KV heads)",
                          self.head_size, self.num_heads, self.num_kv_heads)
-
-    def _layer_policy(self, layer: torch.nn.Module) -> LayerKVPolicy:
-        if self.policy is None:
-            self.policy = LayerKVPolicy.for_layer(self.calibration, self.kv_cache_dtype, layer.layer_name,
-                                                  self.num_heads)
-        return self.policy
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -13,6 +13,11 @@ variable `VLLM_NVFP4_CUDA_READER` (`resolved_reader`):
 Batches with prefills (eager) send their prefills to `DequantPrefill` (pages dequantized to bf16, FlashInfer fa3,
 about bf16 speed) where it runs (SM90 with FlashInfer); else to the kernel ("plugin") or the attention core.
 
+Layers with a sliding window, a logit soft-cap or attention sinks (Gemma 2/3, gpt-oss, Mistral-style windows) are
+served by the plugin's kernel alone, decode and prefill, whatever the reader: FlashInfer's NVFP4 paths do not take
+sinks. A sliding-window layer keeps vLLM's `SlidingWindowSpec`, packed as an NVFP4 page, so vLLM frees the pages
+that leave the window. ALiBi is refused at engine start.
+
 V scales are stored linear, the order every reader reads.
 """
 
@@ -31,14 +36,14 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionCGSupport, Att
                                        MultipleOf)
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from ..attention import SUPPORTED_HEAD_SIZES, DequantWorkspace
+from ..attention import MODEL_FEATURES, SUPPORTED_HEAD_SIZES, DequantWorkspace
 from ..attention import NVFP4AttentionMetadata
 from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaBatch, DequantPrefill,
                                            FlashInferNVFP4Decoder, KernelBatch, cuda_paged_attention,
                                            dequant_prefill_unavailable_reason, flashinfer_decode_unavailable_reason,
                                            plan_batch, plan_kernel_batch)
 from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
-from .common import LayerKVPolicy, check_nvfp4_layer, core_metadata, engine_kv_calibration
+from .common import LayerKVPolicy, LayerPolicyOwner, check_nvfp4_layer, core_metadata, engine_kv_calibration
 
 logger = init_logger("vllm.nvfp4_plugin.cuda")
 
@@ -100,6 +105,14 @@ class NVFP4CudaBackend(AttentionBackend):
         return capability >= DeviceCapability(8, 0)
 
     @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
+
+    @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              use_mm_prefix, device_capability) -> str | None:
         if kv_cache_dtype not in NVFP4_KV_CACHE_DTYPES:
@@ -123,10 +136,17 @@ def shared_decode_params(vllm_config: VllmConfig, layer_names: list[str]) -> tup
     return params.pop()
 
 
+def group_uses_model_features(vllm_config: VllmConfig, layer_names: list[str]) -> bool:
+    """Whether any of the group's layers has a sliding window, a logit soft-cap or sinks (the kernel's alone)."""
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    return any(layer.impl.model_features for layer in layers.values())
+
+
 class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch | NVFP4AttentionMetadata]):
     """Core metadata for every batch, planned for the resolved reader: the plugin's kernel needs nothing more;
     fa2 is planned for the batch's leading decode requests; prefills are planned for `DequantPrefill` where it
-    runs. Off CUDA (or when fa2 cannot read the head size and "fa2" was asked for) the core serves every request."""
+    runs. Off CUDA (or when fa2 cannot read the head size and "fa2" was asked for) the core serves every request.
+    A group whose layers use model features runs every batch through the kernel (the core off CUDA)."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):
@@ -141,6 +161,11 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
         self._prefill: DequantPrefill | None = None
         if self._reader == "core":
             logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the core (device %s)", device)
+            return
+        if group_uses_model_features(vllm_config, layer_names):
+            self._reader = "plugin"
+            logger.info_once("vllm_nvfp4_plugin: layers %s use a sliding window, soft-cap or sinks: decode and "
+                             "prefill through the plugin's CUDA kernel", layer_names)
             return
         fa2_reason = flashinfer_decode_unavailable_reason(kv_cache_spec.head_size, device)
         prefill_reason = dequant_prefill_unavailable_reason(kv_cache_spec.head_size, device)
@@ -192,7 +217,7 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
                           sm_scale)
 
 
-class NVFP4CudaImpl(AttentionImpl[CudaBatch | KernelBatch | NVFP4AttentionMetadata]):
+class NVFP4CudaImpl(LayerPolicyOwner, AttentionImpl[CudaBatch | KernelBatch | NVFP4AttentionMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
@@ -202,7 +227,12 @@ class NVFP4CudaImpl(AttentionImpl[CudaBatch | KernelBatch | NVFP4AttentionMetada
         _check_kv_cache_dtype(kv_cache_dtype)
         check_nvfp4_layer(kv_cache_dtype, attn_type, head_size, num_heads, num_kv_heads,
                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                          alibi_slopes=alibi_slopes, sinks=sinks)
+                          alibi_slopes=alibi_slopes, sinks=sinks, supported_features=MODEL_FEATURES)
+        # The kernel's "off" values: window 0, soft-cap 0, no sinks.
+        self.sliding_window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+        self.logits_soft_cap = float(logits_soft_cap or 0.0)
+        self.sinks = sinks  # the model's parameter, loaded after construction
+        self.model_features = bool(self.sliding_window or self.logits_soft_cap or sinks is not None)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -214,12 +244,6 @@ class NVFP4CudaImpl(AttentionImpl[CudaBatch | KernelBatch | NVFP4AttentionMetada
         self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
         logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CUDA (head size %d, %d query / %d KV heads)",
                          head_size, num_heads, num_kv_heads)
-
-    def _layer_policy(self, layer: torch.nn.Module) -> LayerKVPolicy:
-        if self.policy is None:
-            self.policy = LayerKVPolicy.for_layer(self.calibration, self.kv_cache_dtype, layer.layer_name,
-                                                  self.num_heads)
-        return self.policy
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -237,7 +261,9 @@ class NVFP4CudaImpl(AttentionImpl[CudaBatch | KernelBatch | NVFP4AttentionMetada
             raise NotImplementedError("the vllm_nvfp4_plugin CUSTOM backend does not fuse output quantization")
         if attn_metadata is None:  # profiling run
             return output
+        sinks = self.sinks.to(torch.float32) if self.sinks is not None else None
         cuda_paged_attention(self._layer_policy(layer).query(query), page_view(kv_cache, self.num_kv_heads),
                              attn_metadata, self.scale, layer._k_scale, layer._v_scale, layer._k_scale_float,
-                             layer._v_scale_float, output.view(query.shape), workspace=_WORKSPACE)
+                             layer._v_scale_float, output.view(query.shape), workspace=_WORKSPACE,
+                             sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap, sinks=sinks)
         return output
