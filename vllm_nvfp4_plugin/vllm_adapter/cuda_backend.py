@@ -165,7 +165,7 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
         if group_uses_model_features(vllm_config, layer_names):
             self._reader = "plugin"
             logger.info_once("vllm_nvfp4_plugin: layers %s use a sliding window, soft-cap or sinks: decode and "
-                             "prefill through the plugin's CUDA kernel", layer_names)
+                             "prefill through the plugin's CUDA kernel", ", ".join(layer_names))
             return
         fa2_reason = flashinfer_decode_unavailable_reason(kv_cache_spec.head_size, device)
         prefill_reason = dequant_prefill_unavailable_reason(kv_cache_spec.head_size, device)
