@@ -94,7 +94,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from vllm_nvfp4_plugin.tools.fidelity import format_fidelity, teacher_forced_agreement
-    from vllm_nvfp4_plugin.tools.models import TINY_GPT_OSS_SLIDING_WINDOW, tiny_gpt_oss_path
+    from vllm_nvfp4_plugin.tools.models import TINY_SLIDING_WINDOW, tiny_gpt_oss_path
 
     def measure(model: Path, prompts: list[str], window: int, eager: bool) -> list[str]:
         """Table rows: the plugin against bf16 in vLLM, and the format's own cost on the same tokens."""
@@ -118,7 +118,7 @@ def main() -> None:
                 f"{plugin.perplexity:.4f} | |"]
 
     gemma_rows = measure(model, prompts, WINDOW, eager=False)
-    gpt_oss_rows = measure(tiny_gpt_oss_path(), few_shot_prompts(args.prompts, 2), TINY_GPT_OSS_SLIDING_WINDOW,
+    gpt_oss_rows = measure(tiny_gpt_oss_path(), few_shot_prompts(args.prompts, 2), TINY_SLIDING_WINDOW,
                            eager=True)
     nvfp4, bf16 = served["nvfp4"], served["auto"]
     lines = [
@@ -131,7 +131,7 @@ def main() -> None:
         f"({nvfp4['tokens'] / bf16['tokens']:.2f}×) | |",
         *gemma_rows,
         "",
-        f"| tiny gpt-oss (sinks; window {TINY_GPT_OSS_SLIDING_WINDOW} in layer 0) | bf16 KV | NVFP4 KV (the plugin "
+        f"| tiny gpt-oss (sinks; window {TINY_SLIDING_WINDOW} in layer 0) | bf16 KV | NVFP4 KV (the plugin "
         "in vLLM) | the format (transformers) |",
         "| --- | ---: | ---: | ---: |",
         *gpt_oss_rows,

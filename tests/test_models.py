@@ -80,7 +80,7 @@ def test_tiny_gpt_oss_has_sinks_and_a_window(smollm2):
     config = json.loads((path / "config.json").read_text())
     assert config["architectures"] == ["GptOssForCausalLM"]
     assert config["layer_types"] == ["sliding_attention", "full_attention"]
-    assert config["sliding_window"] == models.TINY_GPT_OSS_SLIDING_WINDOW and config["head_dim"] == 64
+    assert config["sliding_window"] == models.TINY_SLIDING_WINDOW and config["head_dim"] == 64
     weights = load_file(path / "model.safetensors")
     sinks = [weights[f"model.layers.{i}.self_attn.sinks"].float() for i in range(2)]
     assert all(s.shape == (4,) and 3.0 < s.mean() < 7.0 for s in sinks)  # large enough to matter

@@ -172,6 +172,28 @@ def gemma3_path(cache_dir: str | os.PathLike | None = None) -> Path:
     return _build_once(target, _convert_gemma3)
 
 
+def _random_model(cache_dir, config_class: str, model_class: str, **config):
+    """(seed-0 random transformers `model_class`, SmolLM2's tokenizer): 2 layers of 4 query / 2 KV heads, 4,096
+    positions, SmolLM2's vocabulary, BOS and EOS, plus `config`."""
+    import torch
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(smollm2_path(cache_dir))
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer), num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=4096, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        **config)
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config), tokenizer
+
+
+def _save(model, tokenizer, out: Path) -> None:
+    import torch
+
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
 def tiny_llama_path(head_dim: int = 64, cache_dir: str | os.PathLike | None = None) -> Path:
     """Folder of a 2-layer random Llama (hidden 128, 4 query / 2 KV heads of `head_dim`, init std 0.1,
     seed 0), with SmolLM2's tokenizer so prompts and vocabularies match the real model's."""
@@ -179,115 +201,73 @@ def tiny_llama_path(head_dim: int = 64, cache_dir: str | os.PathLike | None = No
         raise ValueError(f"head_dim must be a positive multiple of 16, got {head_dim}")
 
     def build(out: Path) -> None:
-        import torch
-        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_path(cache_dir))
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=128,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=head_dim,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-            # The default 0.02 gives a model that repeats one token whatever the prompt; at 0.1 the
-            # greedy text depends on the context, so engine tests can tell outputs apart.
-            initializer_range=0.1,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        torch.manual_seed(0)
-        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        # The default init std 0.02 gives a model that repeats one token whatever the prompt; at 0.1 the
+        # greedy text depends on the context, so engine tests can tell outputs apart.
+        _save(*_random_model(cache_dir, "LlamaConfig", "LlamaForCausalLM", hidden_size=128, intermediate_size=256,
+                             head_dim=head_dim, tie_word_embeddings=True, initializer_range=0.1), out)
 
     return _build_once(cache_root(cache_dir) / f"tiny-llama-h{head_dim}-v{FORMAT_VERSION}", build)
 
 
-# The tiny gpt-oss's first layer attends to this many tokens.
-TINY_GPT_OSS_SLIDING_WINDOW = 128
+# The tiny gpt-oss's and Granite's first layer attends to this many tokens.
+TINY_SLIDING_WINDOW = 128
+TINY_LAYER_TYPES = ["sliding_attention", "full_attention"]
+
+
+def _sink_logits(num_heads: int):
+    """Per-head sink logits drawn around 5: with the tiny models' small attention logits a sink takes a fifth to a
+    half of each softmax over a few hundred keys."""
+    import torch
+
+    return torch.randn(num_heads) + 5.0
 
 
 def tiny_gpt_oss_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """Folder of a 2-layer random gpt-oss (hidden 256, 4 query / 2 KV heads of 64, 4 experts, top-2; layer 0 slides
-    a TINY_GPT_OSS_SLIDING_WINDOW-token window; transformers' init, seed 0) with SmolLM2's tokenizer. Its attention
-    logits are small, and its sink logits are drawn around 5, so a sink takes a fifth to a half of each softmax
-    over a few hundred keys: dropping the sinks, or the window, moves its next-token distributions far more than
-    NVFP4's rounding does. (At init std 0.1, as the tiny Llama, NVFP4 alone would flip most of its argmaxes.)"""
+    a TINY_SLIDING_WINDOW-token window; transformers' init, seed 0) with SmolLM2's tokenizer. Its attention logits
+    are small, and its sink logits are drawn around 5, so dropping the sinks, or the window, moves its next-token
+    distributions far more than NVFP4's rounding does. (At init std 0.1, as the tiny Llama, NVFP4 alone would flip
+    most of its argmaxes.)"""
 
     def build(out: Path) -> None:
         import torch
-        from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
 
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_path(cache_dir))
-        config = GptOssConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=256,
-            intermediate_size=256,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=64,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            sliding_window=TINY_GPT_OSS_SLIDING_WINDOW,
-            layer_types=["sliding_attention", "full_attention"],
-            max_position_embeddings=4096,
+        model, tokenizer = _random_model(
+            cache_dir, "GptOssConfig", "GptOssForCausalLM", hidden_size=256, intermediate_size=256, head_dim=64,
+            num_local_experts=4, num_experts_per_tok=2, sliding_window=TINY_SLIDING_WINDOW,
+            layer_types=TINY_LAYER_TYPES, tie_word_embeddings=False,
             rope_parameters={"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                             "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 10000.0},
-            tie_word_embeddings=False,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        torch.manual_seed(0)
-        model = GptOssForCausalLM(config)
+                             "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 10000.0})
         with torch.no_grad():
             for layer in model.model.layers:
-                layer.self_attn.sinks.copy_(torch.randn(config.num_attention_heads) + 5.0)
-        model.to(torch.bfloat16).save_pretrained(out)
-        tokenizer.save_pretrained(out)
+                layer.self_attn.sinks.copy_(_sink_logits(model.config.num_attention_heads))
+        _save(model, tokenizer, out)
 
     return _build_once(cache_root(cache_dir) / f"tiny-gpt-oss-v{FORMAT_VERSION}", build)
 
 
 def tiny_granite_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """Folder of a 2-layer random Granite (hidden 256, 4 query / 2 KV heads of 64; transformers' init, seed 0) whose
-    first layer slides a TINY_GPT_OSS_SLIDING_WINDOW-token window and whose layers both have attention sinks drawn
-    around 5, as the tiny gpt-oss's (vLLM reads `layer_types` and `attention_sinks`; transformers' Granite has no
-    sinks, so they are written into the checkpoint beside its weights)."""
+    first layer slides a TINY_SLIDING_WINDOW-token window and whose layers both have sinks, as the tiny gpt-oss's
+    (vLLM reads `layer_types` and `attention_sinks`; transformers' Granite has no sinks, so they are written into the
+    checkpoint beside its weights)."""
 
     def build(out: Path) -> None:
         import torch
         from safetensors.torch import load_file, save_file
-        from transformers import AutoTokenizer, GraniteConfig, GraniteForCausalLM
 
-        tokenizer = AutoTokenizer.from_pretrained(smollm2_path(cache_dir))
-        config = GraniteConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=256,
-            intermediate_size=512,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        config.sliding_window = TINY_GPT_OSS_SLIDING_WINDOW
-        config.layer_types = ["sliding_attention", "full_attention"]
-        config.attention_sinks = True
-        torch.manual_seed(0)
-        GraniteForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+        model, tokenizer = _random_model(cache_dir, "GraniteConfig", "GraniteForCausalLM", hidden_size=256,
+                                         intermediate_size=512, tie_word_embeddings=False)
+        model.config.sliding_window = TINY_SLIDING_WINDOW
+        model.config.layer_types = TINY_LAYER_TYPES
+        model.config.attention_sinks = True
+        _save(model, tokenizer, out)
         weights_file = out / "model.safetensors"
         weights = load_file(weights_file)
-        for layer in range(config.num_hidden_layers):
-            sinks = torch.randn(config.num_attention_heads) + 5.0
+        for layer in range(model.config.num_hidden_layers):
+            sinks = _sink_logits(model.config.num_attention_heads)
             weights[f"model.layers.{layer}.self_attn.sinks"] = sinks.to(torch.bfloat16)
         save_file(weights, weights_file, metadata={"format": "pt"})
-        tokenizer.save_pretrained(out)
 
     return _build_once(cache_root(cache_dir) / f"tiny-granite-sinks-v{FORMAT_VERSION}", build)
 
