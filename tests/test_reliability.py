@@ -33,9 +33,9 @@ PRESSURE_BLOCKS = 6  # vLLM keeps one block back: 5 usable blocks of 32, one or 
 MAX_MODEL_LEN = 128
 CANDIDATES = 5  # log-probabilities kept per generated token
 # Bound of a near-tie. Measured here: fp32 weights, no request diverged under pressure (NVFP4 and fp32 caches
-# alike); bf16 weights, every divergence picked a token within 0.375 nats of the other run's best (bf16 logits move
-# in steps of 0.125 there), with the chosen tokens' log-probabilities up to 0.43 nats apart before it. The planted
-# foreign page's first divergence picks a token outside the other run's 5 best.
+# alike); bf16 weights (WORKLOADS and PROMPTS), every divergence picked a token within 0.375 nats of the other run's
+# best (bf16 logits move in steps of 0.125 there), the chosen tokens' log-probabilities up to 0.43 nats apart before
+# it. The planted foreign page's first divergence picks a token outside the other run's 5 best.
 NEAR_TIE_NATS = 0.5
 # oneDNN capped at AVX2 makes vLLM's fp32 CPU linears row-invariant (tests/test_serving.py): a request's tokens do
 # not depend on which others share its batch, so what differs under pressure is the recompute alone.
@@ -54,12 +54,12 @@ STORYTELLER = ("You are a careful storyteller. Every story you write has a clear
 TEACHER = ("You are a patient science teacher. Every answer you give starts from something a child can see at home, "
            "names the idea behind it, and ends with one small experiment to try. Use plain words and no formulas. "
            "Keep each answer under two hundred words and never talk down to the reader, the child or the parent. ")
-SHARED_PREFIX_TOKENS = 2 * BLOCK_SIZE  # the full blocks each instruction fills (65 tokens)
+SHARED_PREFIX_TOKENS = 2 * BLOCK_SIZE  # the full blocks of each instruction (65 tokens)
 BATCHES = [[STORYTELLER + prompt for prompt in PROMPTS[:4]],
            [TEACHER + f"Explain to a {who} why the sea is salty." for who in WHO[:4]],
            [STORYTELLER + prompt for prompt in PROMPTS[4:]]]
 RETURNING = len(BATCHES[0]) + len(BATCHES[1])  # the first request back to the storyteller
-# The stories: 16 requests of 96 tokens in an 8-block cache (7 usable: two of them at once).
+# The stories: 16 requests of 96 tokens in an 8-block cache (7 usable; a request takes up to 4).
 STORIES = [f"Write a short story about a {who} who" for who in WHO]
 STORY_TOKENS = 96
 STORY_PRESSURE_BLOCKS = 8
