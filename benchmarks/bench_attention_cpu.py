@@ -1,7 +1,8 @@
 """CPU decode attention: the plugin's `nvfp4_paged_attention` against vLLM's own CPU attention, in one run.
 
-Each case is B requests × L cached tokens, one decode query a request, 32 query / 8 KV heads, head 128, pages of
-128 tokens (vLLM's CPU block size) in random order. The contenders read the same number of tokens:
+Each case is B requests × L cached tokens, one decode query a request, 32 query / 8 KV heads of 128 (`--heads`,
+`--head-size`; SmolLM2-135M's attention is `--heads 9/3 --head-size 64`), pages of 128 tokens (vLLM's CPU block
+size) in random order. The contenders read the same number of tokens:
 
 - nvfp4: the plugin's op over an NVFP4 cache (HND, as the CPU backend allocates it), 72 bytes a token and head;
 - bf16 and fp8: vLLM's `cpu_attention_with_kv_cache` (the op its `CPU_ATTN` backend runs) over a bf16 cache and,
@@ -13,7 +14,7 @@ Calls alternate between the contenders, one warm-up each, so machine load hits a
 of `--repeats` wall times. GB/s is the bytes of cache each one reads, per second. The cache holds random values:
 the time of none of the kernels depends on them.
 
-Options: `--batches 1 8`, `--contexts 2048 8192 32768`, `--threads N` (default: torch's), `--repeats N`
+Options: `--batches 1 8`, `--contexts 2048 8192 32768`, `--heads 32/8`, `--head-size 128`, `--threads N` (default: torch's), `--repeats N`
 (default 9), `--append FILE.md` (appends the table with commit, machine and date), `--note TEXT`.
 """
 
@@ -30,7 +31,7 @@ import torch
 from vllm_nvfp4_plugin import ops
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 
-Q_HEADS, KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 32, 8, 128, 128
+BLOCK_SIZE = 128
 
 
 def time_call(fn, timings: list[float]) -> None:
@@ -39,51 +40,53 @@ def time_call(fn, timings: list[float]) -> None:
     timings.append((time.perf_counter() - start) * 1e3)
 
 
-def nvfp4_case(batch: int, context: int, g: torch.Generator):
-    layout = NVFP4PageLayout(HEAD_SIZE, BLOCK_SIZE, KV_HEADS, hnd=True)
+def nvfp4_case(batch: int, context: int, heads: tuple[int, int, int], g: torch.Generator):
+    q_heads, kv_heads, head_size = heads
+    layout = NVFP4PageLayout(head_size, BLOCK_SIZE, kv_heads, hnd=True)
     pages = context // BLOCK_SIZE
     cache = layout.allocate(batch * pages)
     data = torch.randint(0, 256, (cache.numel(),), generator=g, dtype=torch.uint8)
     cache.copy_(torch.where((data & 0x7F) == 0x7F, data - 1, data).view(cache.shape))  # no NaN block scale
     table = torch.randperm(batch * pages, generator=g).view(batch, pages).int()
-    query = torch.randn(batch, Q_HEADS, HEAD_SIZE, generator=g).bfloat16()
+    query = torch.randn(batch, q_heads, head_size, generator=g).bfloat16()
     out = torch.empty_like(query)
     starts = torch.arange(batch + 1, dtype=torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32)
     one = torch.ones(1)
 
     def run():
-        ops.nvfp4_paged_attention(query, cache[:, 0], cache[:, 1], table, starts, lens, one, one, HEAD_SIZE ** -0.5,
+        ops.nvfp4_paged_attention(query, cache[:, 0], cache[:, 1], table, starts, lens, one, one, head_size ** -0.5,
                                   True, False, 1, context, out)
-    return run, batch * context * KV_HEADS * 2 * layout.full_dim
+    return run, batch * context * kv_heads * 2 * layout.full_dim
 
 
-def vllm_case(batch: int, context: int, kv_cache_dtype: str, g: torch.Generator):
+def vllm_case(batch: int, context: int, heads: tuple[int, int, int], kv_cache_dtype: str, g: torch.Generator):
     """vLLM's CPU attention as its CPU_ATTN backend calls it, or the reason vLLM refuses the dtype here."""
     from vllm import _custom_ops as vllm_ops
     from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    q_heads, kv_heads, head_size = heads
     try:
-        isa = _get_attn_isa(torch.bfloat16, BLOCK_SIZE, HEAD_SIZE, kv_cache_dtype)
+        isa = _get_attn_isa(torch.bfloat16, BLOCK_SIZE, head_size, kv_cache_dtype)
     except NotImplementedError as e:
         return str(e), 0
     pages = context // BLOCK_SIZE
-    kv_cache = torch.randn(batch * pages, KV_HEADS, 2 * BLOCK_SIZE, HEAD_SIZE, generator=g).bfloat16()
+    kv_cache = torch.randn(batch * pages, kv_heads, 2 * BLOCK_SIZE, head_size, generator=g).bfloat16()
     if kv_cache_dtype != "auto":
         kv_cache = kv_cache.to(torch.float8_e4m3fn).view(torch.uint8)
     key_cache, value_cache = kv_cache.chunk(2, dim=2)
     table = torch.randperm(batch * pages, generator=g).view(batch, pages).int()
-    query = torch.randn(batch, Q_HEADS, HEAD_SIZE, generator=g).bfloat16()
+    query = torch.randn(batch, q_heads, head_size, generator=g).bfloat16()
     out = torch.empty_like(query)
     starts = torch.arange(batch + 1, dtype=torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32)
-    metadata = vllm_ops.cpu_attn_get_scheduler_metadata(batch, Q_HEADS, KV_HEADS, HEAD_SIZE, lens, torch.bfloat16,
+    metadata = vllm_ops.cpu_attn_get_scheduler_metadata(batch, q_heads, kv_heads, head_size, lens, torch.bfloat16,
                                                         starts, True, -1, isa, envs.VLLM_CPU_ATTN_SPLIT_KV,
                                                         kv_cache_dtype=kv_cache_dtype)
 
     def run():
-        vllm_ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, out, starts, lens, HEAD_SIZE ** -0.5, True,
+        vllm_ops.cpu_attention_with_kv_cache(query, key_cache, value_cache, out, starts, lens, head_size ** -0.5, True,
                                              None, -1, table, 0.0, metadata, None, kv_cache_dtype=kv_cache_dtype)
     return run, kv_cache.numel() * kv_cache.element_size()
 
@@ -110,6 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--heads", default="32/8", help="query / KV heads")
+    parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--append", help="append the table to this markdown file")
@@ -117,13 +122,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    q_heads, kv_heads = (int(n) for n in args.heads.split("/"))
+    heads = (q_heads, kv_heads, args.head_size)
     g = torch.Generator().manual_seed(0)
     rows, refused = [], {}
     for batch in args.batches:
         for context in args.contexts:
-            contenders = {"nvfp4": nvfp4_case(batch, context, g)}
+            contenders = {"nvfp4": nvfp4_case(batch, context, heads, g)}
             for name, dtype in (("bf16", "auto"), ("fp8", "fp8")):
-                run, nbytes = vllm_case(batch, context, dtype, g)
+                run, nbytes = vllm_case(batch, context, heads, dtype, g)
                 if isinstance(run, str):
                     refused[name] = run
                 else:
@@ -150,7 +157,7 @@ def main() -> None:
     lines = [
         f"commit {commit()}, {machine()}, {args.threads} threads, "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
-        f"{os.getloadavg()[0]:.1f}; decode, {Q_HEADS} query / {KV_HEADS} KV heads, head {HEAD_SIZE}, "
+        f"{os.getloadavg()[0]:.1f}; decode, {q_heads} query / {kv_heads} KV heads, head {args.head_size}, "
         f"block {BLOCK_SIZE}; median of {args.repeats}",
         "",
         "| B | L | nvfp4 ms (GB/s) | vLLM bf16 ms (GB/s) | vLLM fp8 ms (GB/s) | nvfp4 speed-up vs bf16 | vs fp8 "

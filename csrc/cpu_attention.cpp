@@ -58,8 +58,9 @@ constexpr int64_t UNIT_PAIRS = 32;  // (query row, head) pairs a unit holds, at 
 constexpr int64_t SPLIT_UNIT_ROWS = 4;
 constexpr int64_t SPLIT_BATCH_UNITS = 64;
 constexpr int64_t PARTIAL_FLOATS_MAX = int64_t{1} << 25;
-// Below this many (pair, key) scores a call runs on one thread: waking the OpenMP team costs more.
-constexpr int64_t PARALLEL_MIN_SCORES = int64_t{1} << 15;
+// Below this many (pair, key) scores (about 0.1 ms of work) a call runs on one thread: waking the OpenMP team
+// costs more.
+constexpr int64_t PARALLEL_MIN_SCORES = int64_t{1} << 12;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 #define NVFP4_INLINE inline __attribute__((always_inline))
@@ -420,9 +421,12 @@ NVFP4_INLINE void pair_scores(const float* q, const float* keys, const f32x16 (&
 template <Isa I, int D>
 NVFP4_INLINE void tile_scores(const float* q, const float* keys, const f32x16 (&scales)[D / NVFP4_GROUP], int64_t first,
                               int64_t last, float* out) {
+  // Four pairs at a time, then the last one to three together (a GQA group of 3 or 7 reads each key row once).
   int64_t p = first;
   for (; p + 4 <= last; p += 4) pair_scores<I, D, 4>(q + p * D, keys, scales, out + p * TILE);
-  for (; p < last; ++p) pair_scores<I, D, 1>(q + p * D, keys, scales, out + p * TILE);
+  if (last - p == 3) pair_scores<I, D, 3>(q + p * D, keys, scales, out + p * TILE);
+  if (last - p == 2) pair_scores<I, D, 2>(q + p * D, keys, scales, out + p * TILE);
+  if (last - p == 1) pair_scores<I, D, 1>(q + p * D, keys, scales, out + p * TILE);
 }
 
 // Value rows hold each 32 dimensions as the 16 even ones, then the 16 odd ones: the low and high nibbles of 16
@@ -497,9 +501,12 @@ template <Isa I, int D>
 NVFP4_INLINE void tile_values(const TileTokens& t, const float* probs, const float* alpha, int64_t first, int64_t last,
                               float* values, float* sums) {
   if (last - first <= 8) {
+    // As tile_scores: the last one to three pairs together, so each value row is decoded once for them.
     int64_t p = first;
     for (; p + 4 <= last; p += 4) pair_values<I, D, 4>(t, probs + p * TILE, alpha + p, sums + p * D);
-    for (; p < last; ++p) pair_values<I, D, 1>(t, probs + p * TILE, alpha + p, sums + p * D);
+    if (last - p == 3) pair_values<I, D, 3>(t, probs + p * TILE, alpha + p, sums + p * D);
+    if (last - p == 2) pair_values<I, D, 2>(t, probs + p * TILE, alpha + p, sums + p * D);
+    if (last - p == 1) pair_values<I, D, 1>(t, probs + p * TILE, alpha + p, sums + p * D);
     return;
   }
   decode_values<I, D>(t, values);
