@@ -21,12 +21,10 @@ Options: `--batches 1 8`, `--contexts 2048 8192 32768`, `--heads 32/8`, `--head-
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
-import subprocess
 import time
 
 import torch
+from provenance import emit, stamp
 
 from vllm_nvfp4_plugin import ops
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
@@ -97,18 +95,6 @@ def memcpy_case(nbytes: int):
     return (lambda: dst.copy_(src)), 2 * nbytes
 
 
-def machine() -> str:
-    info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
-
-
-def commit() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                          text=True).stdout.strip() or "?"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -155,9 +141,7 @@ def main() -> None:
         return f"{ms[name] / ms['nvfp4']:.2f}×" if name in ms else "n/a"
 
     lines = [
-        f"commit {commit()}, {machine()}, {args.threads} threads, "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
-        f"{os.getloadavg()[0]:.1f}; decode, {q_heads} query / {kv_heads} KV heads, head {args.head_size}, "
+        f"{stamp()}; {args.threads} threads; decode, {q_heads} query / {kv_heads} KV heads, head {args.head_size}, "
         f"block {BLOCK_SIZE}; median of {args.repeats}",
         "",
         "| B | L | nvfp4 ms (GB/s) | vLLM bf16 ms (GB/s) | vLLM fp8 ms (GB/s) | nvfp4 speed-up vs bf16 | vs fp8 "
@@ -171,10 +155,7 @@ def main() -> None:
         lines.append(f"\nvLLM {name}: refused on this CPU ({reason})")
     if args.note:
         lines.append(f"\n{args.note}")
-    print("\n".join(lines))
-    if args.append:
-        with open(args.append, "a") as f:
-            f.write("\n".join(lines) + "\n")
+    emit(lines, args.append)
 
 
 if __name__ == "__main__":

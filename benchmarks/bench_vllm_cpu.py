@@ -20,12 +20,13 @@ torch.compile instead of eager mode, which starts faster), `--append FILE.md`, `
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
 import sys
 import time
+
+from provenance import emit, stamp
 
 KV_CACHE_BYTES = 1 << 30
 MODEL_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}
@@ -61,18 +62,6 @@ def engine(args) -> dict:
     return {batch: (timed(batch, 1), timed(batch, 1 + args.decode_tokens)) for batch in args.batches}
 
 
-def machine() -> str:
-    info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    return f"{fields.get('Model name', '?').strip()}, {fields.get('CPU(s)', '?').strip()} CPUs"
-
-
-def commit() -> str:
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                          text=True).stdout.strip() or "?"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODEL_NAMES), default="smollm2")
@@ -106,9 +95,7 @@ def main() -> None:
         print(f"{dtype}: {times[dtype]}", flush=True)
 
     lines = [
-        f"commit {commit()}, {machine()}, {args.threads} threads, "
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
-        f"{os.getloadavg()[0]:.1f}; {MODEL_NAMES[args.model]} bf16, {'torch.compile' if args.compile else 'eager'}, "
+        f"{stamp()}; {args.threads} threads; {MODEL_NAMES[args.model]} bf16, {'torch.compile' if args.compile else 'eager'}, "
         f"prompts of {args.prompt_len} tokens, {args.decode_tokens} decode tokens",
         "",
         "| B | prefill tok/s nvfp4 | bf16 | nvfp4 / bf16 | decode tok/s nvfp4 | bf16 | nvfp4 / bf16 |",
@@ -122,10 +109,7 @@ def main() -> None:
                      f"{decode['nvfp4'] / decode['bfloat16']:.2f} |")
     if args.note:
         lines.append(f"\n{args.note}")
-    print("\n".join(lines))
-    if args.append:
-        with open(args.append, "a") as f:
-            f.write("\n".join(lines) + "\n")
+    emit(lines, args.append)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,13 @@ Decode speed is `python benchmarks/bench_vllm_cpu.py --model gemma3`. Options: `
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import tempfile
 from pathlib import Path
 
 import httpx
+from provenance import emit, stamp
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT / "evals" / "data"  # MIT, see evals/data/LICENSE
@@ -58,17 +58,6 @@ def serve(model: Path, kv_cache_dtype: str, prompt: str, args, log_dir: Path) ->
         choice = response.json()
     return {"cache_dtype": labels["cache_dtype"], "tokens": int(labels["kv_cache_size_tokens"]),
             "prompt_tokens": choice["usage"]["prompt_tokens"], "text": choice["choices"][0]["text"]}
-
-
-def machine() -> str:
-    import subprocess
-
-    info = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    fields = dict(line.split(":", 1) for line in info.splitlines() if ":" in line)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return (f"commit {head.stdout.strip() or '?'}, {fields.get('Model name', '?').strip()}, "
-            f"{fields.get('CPU(s)', '?').strip()} CPUs, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M}"
-            f" UTC, load average {os.getloadavg()[0]:.1f}")
 
 
 def main() -> None:
@@ -122,7 +111,7 @@ def main() -> None:
                            eager=True)
     nvfp4, bf16 = served["nvfp4"], served["auto"]
     lines = [
-        f"{machine()}; Gemma 3 270M bf16, vllm serve / LLM, max_model_len {args.max_model_len} (window {WINDOW}), "
+        f"{stamp()}; Gemma 3 270M bf16, vllm serve / LLM, max_model_len {args.max_model_len} (window {WINDOW}), "
         f"{args.kv_cache_gib} GiB KV cache",
         "",
         "| Gemma 3 270M | bf16 KV | NVFP4 KV (the plugin in vLLM) | the format (transformers) |",
@@ -139,10 +128,7 @@ def main() -> None:
         f"`vllm serve` greedy completion of the first prompt ({nvfp4['prompt_tokens']} tokens), bf16: "
         f"{json.dumps(bf16['text'][:80])}; nvfp4: {json.dumps(nvfp4['text'][:80])}",
     ]
-    print("\n".join(lines))
-    if args.append:
-        with open(args.append, "a") as f:
-            f.write("\n".join(lines) + "\n")
+    emit(lines, args.append)
 
 
 if __name__ == "__main__":
