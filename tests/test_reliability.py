@@ -14,14 +14,13 @@ catches that.
 Serving: clients that disconnect mid-stream, requests vLLM must refuse, and a short soak (benchmarks/soak.py).
 """
 
-import json
 import os
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from vllm_jobs import run_job
 
 from vllm_nvfp4_plugin.tools.models import smollm2_path, tiny_llama_path
 
@@ -81,35 +80,7 @@ def generate(kv_cache_dtype: str, blocks: int | None, model: Path | None = None,
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpu) for cpu in ALLOWED_CPUS[:tensor_parallel_size])
     job = {"model": str(model or smollm2_path()), "llm": llm, "max_tokens": MAX_TOKENS, "batches": [PROMPTS],
            "logprobs": CANDIDATES, "ignore_eos": True, **job_options}
-    return run_counting(job, env)
-
-
-# A vllm_jobs.py job that also reports vLLM's counters (vllm:prefix_cache_hits, ...) at its end: the job reads vLLM's
-# metrics for the preemption count, and the wrapped get_metrics prints every counter there.
-COUNTING = """
-import json, runpy, sys
-from vllm import LLM
-get_metrics = LLM.get_metrics
-def report(self):
-    metrics = get_metrics(self)
-    print("COUNTERS " + json.dumps({m.name: m.value for m in metrics if type(m).__name__ == "Counter"}))
-    return metrics
-LLM.get_metrics = report
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
-
-def run_counting(job: dict, env: dict[str, str]) -> dict:
-    script = str(Path(__file__).parent / "vllm_jobs.py")
-    proc = subprocess.run([sys.executable, "-c", COUNTING, script, json.dumps(job)], env=env, capture_output=True,
-                          text=True, timeout=1500)
-    log = proc.stdout + proc.stderr
-    lines = {kind: [line[len(kind) + 1:] for line in proc.stdout.splitlines() if line.startswith(kind + " ")]
-             for kind in ("RESULT", "COUNTERS")}
-    if proc.returncode or not lines["RESULT"] or not lines["COUNTERS"]:
-        raise RuntimeError(f"vLLM job failed (exit {proc.returncode}):\n{log[-6000:]}")
-    return json.loads(lines["RESULT"][-1]) | {"counters": json.loads(lines["COUNTERS"][-1]), "log": log}
+    return run_job(job, env, timeout=1500)
 
 
 @dataclass

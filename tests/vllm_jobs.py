@@ -11,7 +11,8 @@ is a string, or a list of chat messages (run through the model's chat template).
 Optional keys: "logprobs": k adds each generated token's k most likely tokens' log-probabilities,
 "ignore_eos": true, and "plant_foreign_block_after": n makes the NVFP4 attention of request 0 read request 1's
 pages from the n-th attention batch on (a deliberately wrong page, to prove the tests catch one).
-The result also holds "num_preemptions", read from vLLM's metrics when the job passes "disable_log_stats": false.
+When the job passes "disable_log_stats": false, the result also holds "counters", every vLLM counter metric
+(vllm:num_preemptions, vllm:prefix_cache_hits, ...) summed over engines, and "num_preemptions" among them.
 A fidelity job: {"fidelity": {teacher_forced_agreement kwargs}} → the FidelityResult's fields; a comparison job:
 {"comparison": {teacher_forced_comparison kwargs}} → {label: the FidelityResult's fields}.
 """
@@ -71,11 +72,17 @@ def main(job: dict) -> None:
                      "logprobs": top_logprobs(r.outputs[0])}
                     for r in results]
     kv_tokens = cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
-    preemptions = None
+    counters = None
     if not job["llm"].get("disable_log_stats", True):
-        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+        from vllm.v1.metrics.reader import Counter
+
+        counters = {}
+        for metric in llm.get_metrics():
+            if isinstance(metric, Counter):
+                counters[metric.name] = counters.get(metric.name, 0) + metric.value
     print("RESULT " + json.dumps({"kv_tokens": kv_tokens, "block_size": cache.block_size, "outputs": outputs,
-                                  "num_preemptions": preemptions}))
+                                  "counters": counters,
+                                  "num_preemptions": counters["vllm:num_preemptions"] if counters else None}))
 
 
 def top_logprobs(completion) -> list[list[tuple[int, float]]] | None:
