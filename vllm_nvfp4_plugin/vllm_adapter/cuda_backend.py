@@ -43,7 +43,8 @@ from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaB
                                            dequant_prefill_unavailable_reason, flashinfer_decode_unavailable_reason,
                                            plan_batch, plan_kernel_batch)
 from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
-from .common import LayerKVPolicy, LayerPolicyOwner, check_nvfp4_layer, core_metadata, engine_kv_calibration
+from .common import (LayerKVPolicy, LayerPolicyOwner, check_nvfp4_layer, core_metadata, current_max_model_len,
+                     effective_sliding_window, engine_kv_calibration)
 
 logger = init_logger("vllm.nvfp4_plugin.cuda")
 
@@ -228,8 +229,9 @@ class NVFP4CudaImpl(LayerPolicyOwner, AttentionImpl[CudaBatch | KernelBatch | NV
         check_nvfp4_layer(kv_cache_dtype, attn_type, head_size, num_heads, num_kv_heads,
                           sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                           alibi_slopes=alibi_slopes, sinks=sinks, supported_features=MODEL_FEATURES)
-        # The kernel's "off" values: window 0, soft-cap 0, no sinks.
-        self.sliding_window = sliding_window if sliding_window is not None and sliding_window > 0 else 0
+        # The kernel's "off" values: window 0, soft-cap 0, no sinks. A window that covers every admitted sequence is
+        # none, so such layers keep the FlashInfer prefill.
+        self.sliding_window = effective_sliding_window(sliding_window, current_max_model_len()) or 0
         self.logits_soft_cap = float(logits_soft_cap or 0.0)
         self.sinks = sinks  # the model's parameter, loaded after construction
         self.model_features = bool(self.sliding_window or self.logits_soft_cap or sinks is not None)
