@@ -72,7 +72,7 @@ struct Batch {
   int64_t group;  // query heads per KV head
   const uint8_t* key_base;
   const uint8_t* value_base;
-  int64_t block_stride;
+  int64_t key_block_stride, value_block_stride;
   const int32_t* block_table;
   int64_t table_stride;
   float score_scale;  // scale · k_scale
@@ -320,7 +320,7 @@ struct E4m3Values {
 };
 const E4m3Values E4M3;
 
-// Where a tile's keys sit: per key, its codes and scales on both sides. Tiles start at multiples of TILE, so a
+// Where a tile's keys sit: per key, its codes (FP8 keys: its bytes) and scales on both sides. Tiles start at multiples of TILE, so a
 // key has the same lane whatever range of keys is read; lanes outside [first, n) hold no key and are not read.
 struct TileTokens {
   int first, n;
@@ -349,21 +349,23 @@ struct TileCursor {
     const NVFP4PageLayout& layout = b.layout;
     t.first = first;
     t.n = n;
+    const int64_t key_bytes = layout.fp8_keys ? layout.head_size : layout.data_dim();
     for (int j = first; j < n; ++j) {
-      const int64_t block = pages[page] * b.block_stride;
-      const uint8_t* key_side = b.key_base + block;
-      const uint8_t* value_side = b.value_base + block;
+      const uint8_t* key_side = b.key_base + pages[page] * b.key_block_stride;
+      const uint8_t* value_side = b.value_base + pages[page] * b.value_block_stride;
       const int64_t data = layout.data_offset(offset, kv_head);
-      t.key_data[j] = key_side + data;
-      t.key_scales[j] = key_side + layout.scale_offset(offset, kv_head, 0, false);
+      if (layout.fp8_keys) {
+        t.key_data[j] = key_side + layout.fp8_key_offset(offset, kv_head);
+      } else {
+        t.key_data[j] = key_side + data;
+        t.key_scales[j] = key_side + layout.scale_offset(offset, kv_head, 0, false);
+        __builtin_prefetch(t.key_scales[j]);
+      }
       t.value_data[j] = value_side + data;
       t.value_scales[j] = value_side + layout.scale_offset(offset - offset % 4, kv_head, 0, false);
       t.value_delta[j] = b.v_scale_delta[offset % 4];
-      for (int64_t line = 0; line < layout.data_dim(); line += 64) {
-        __builtin_prefetch(t.key_data[j] + line);
-        __builtin_prefetch(t.value_data[j] + line);
-      }
-      __builtin_prefetch(t.key_scales[j]);
+      for (int64_t line = 0; line < key_bytes; line += 64) __builtin_prefetch(t.key_data[j] + line);
+      for (int64_t line = 0; line < layout.data_dim(); line += 64) __builtin_prefetch(t.value_data[j] + line);
       __builtin_prefetch(t.value_scales[j]);
       if (++offset == layout.block_size) {
         offset = 0;
@@ -398,6 +400,24 @@ NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys, f32x16 (&scales)
     transpose_words(words);
     for (int w = w0; w < std::min(w0 + 16, WORDS); ++w)
       for (int e = 0; e < 8; ++e) store(e2m1_values<I>(words[w - w0] >> (4 * e)), keys + (8 * w + e) * TILE);
+  }
+}
+
+// FP8 keys: keys[d][j] = e4m3 value of dimension d of key j, every scale 1. Key j's bytes, read as 32-bit words
+// (word w: dimensions 4w..4w+3), are transposed as decode_keys' codes are.
+template <Isa I, int D>
+NVFP4_INLINE void decode_fp8_keys(const TileTokens& t, float* keys, f32x16 (&scales)[D / NVFP4_GROUP]) {
+  for (int s = 0; s < D / NVFP4_GROUP; ++s) scales[s] = broadcast(1.0f);
+  for (int w0 = 0; w0 < D / 4; w0 += 16) {
+    u32x16 words[16];
+    for (int j = 0; j < TILE; ++j) {
+      words[j] = u32x16{};
+      if (t.first <= j && j < t.n) std::memcpy(&words[j], t.key_data[j] + 4 * w0, sizeof words[j]);
+    }
+    transpose_words(words);
+    for (int w = 0; w < 16; ++w)
+      for (int e = 0; e < 4; ++e)
+        store(simd::e4m3_decode<I >= Isa::Avx512>((words[w] >> (8 * e)) & 0xFFu), keys + (4 * (w0 + w) + e) * TILE);
   }
 }
 
@@ -546,7 +566,10 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
     if (key0 + TILE < key_end)
       cursor.next(0, static_cast<int>(std::min<int64_t>(TILE, key_end - key0 - TILE)), tiles[i ^ 1]);
     f32x16 key_scales[D / NVFP4_GROUP];
-    decode_keys<I, D>(tokens, scratch.keys.get(), key_scales);
+    if (b.layout.fp8_keys)
+      decode_fp8_keys<I, D>(tokens, scratch.keys.get(), key_scales);
+    else
+      decode_keys<I, D>(tokens, scratch.keys.get(), key_scales);
     const int64_t first = u.first_row_seeing(b, key0 + tokens.first) * group;
     const int64_t last = u.end_row_seeing(b, key0 + tokens.n - 1) * group;
     tile_scores<I, D>(scratch.q.get(), scratch.keys.get(), key_scales, first, last, scratch.probs.get());
@@ -708,6 +731,7 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
           static_cast<const uint8_t*>(key_cache.const_data_ptr()),
           static_cast<const uint8_t*>(value_cache.const_data_ptr()),
           key_cache.stride(0),
+          value_cache.stride(0),
           block_table.const_data_ptr<int32_t>(),
           block_table.stride(0),
           static_cast<float>(scale) * *k_scale.const_data_ptr<float>(),

@@ -534,6 +534,25 @@ int64_t sequence_of(const int32_t* cu_seq_lens, int64_t batch, int64_t row) {
   return std::upper_bound(cu_seq_lens + 1, cu_seq_lens + batch + 1, row) - (cu_seq_lens + 1);
 }
 
+// The K side of an fp8_keys page: e4m3(k / k_scale), as vLLM's FP8 cache stores keys, and back (· k_scale).
+template <typename T>
+void store_fp8_key(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t offset, float global,
+                   uint8_t* side) {
+  for (int64_t h = 0; h < layout.num_heads; ++h) {
+    uint8_t* out = side + layout.fp8_key_offset(offset, h);
+    for (int64_t i = 0; i < layout.head_size; ++i) out[i] = e4m3_encode(static_cast<float>(x[h * head_stride + i]) / global);
+  }
+}
+
+template <typename T>
+void load_fp8_key(const uint8_t* side, const NVFP4PageLayout& layout, int64_t offset, float global, T* out,
+                  int64_t head_stride) {
+  for (int64_t h = 0; h < layout.num_heads; ++h) {
+    const uint8_t* in = side + layout.fp8_key_offset(offset, h);
+    for (int64_t i = 0; i < layout.head_size; ++i) out[h * head_stride + i] = static_cast<T>(e4m3_decode(in[i]) * global);
+  }
+}
+
 void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
                                  const Tensor& slot_mapping, const Tensor& k_scale, const Tensor& v_scale,
                                  bool swizzle_v_scales) {
@@ -546,7 +565,7 @@ void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor&
   const float inv_kg = 1.0f / kg, inv_vg = 1.0f / vg;
   uint8_t* k_base = bytes_of(key_cache);
   uint8_t* v_base = bytes_of(value_cache);
-  const int64_t block_stride = key_cache.stride(0);
+  const int64_t k_block_stride = key_cache.stride(0), v_block_stride = value_cache.stride(0);
   const int64_t key_token_stride = key.stride(0), key_head_stride = key.stride(1);
   const int64_t value_token_stride = value.stride(0), value_head_stride = value.stride(1);
   const GroupOffsets k_offsets(layout, key_head_stride, false), v_offsets(layout, value_head_stride, swizzle_v_scales);
@@ -560,8 +579,13 @@ void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor&
       const int64_t slot = slots[i];
       if (slot < 0) continue;  // padding token
       const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
-      kernels.store_token(k + i * key_token_stride, k_offsets, layout, offset, kg, inv_kg, k_base + block * block_stride);
-      kernels.store_token(v + i * value_token_stride, v_offsets, layout, offset, vg, inv_vg, v_base + block * block_stride);
+      if (layout.fp8_keys)
+        store_fp8_key(k + i * key_token_stride, key_head_stride, layout, offset, kg, k_base + block * k_block_stride);
+      else
+        kernels.store_token(k + i * key_token_stride, k_offsets, layout, offset, kg, inv_kg,
+                            k_base + block * k_block_stride);
+      kernels.store_token(v + i * value_token_stride, v_offsets, layout, offset, vg, inv_vg,
+                          v_base + block * v_block_stride);
     }
   });
 }
@@ -593,7 +617,7 @@ void reshape_and_cache_nvfp4_4over6_cpu(const Tensor& key, const Tensor& value, 
   const float inv_kg = 1.0f / kg, inv_vg = 1.0f / vg;
   uint8_t* k_base = bytes_of(key_cache);
   uint8_t* v_base = bytes_of(value_cache);
-  const int64_t block_stride = key_cache.stride(0);
+  const int64_t k_block_stride = key_cache.stride(0), v_block_stride = value_cache.stride(0);
   dispatch_float_types(key.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* k = static_cast<const T*>(key.const_data_ptr());
@@ -603,10 +627,13 @@ void reshape_and_cache_nvfp4_4over6_cpu(const Tensor& key, const Tensor& value, 
       const int64_t slot = slots[i];
       if (slot < 0) continue;  // padding token
       const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
-      store_token_4over6(k + i * key.stride(0), key.stride(1), layout, offset, kg, inv_kg, false,
-                         k_base + block * block_stride);
+      if (layout.fp8_keys)
+        store_fp8_key(k + i * key.stride(0), key.stride(1), layout, offset, kg, k_base + block * k_block_stride);
+      else
+        store_token_4over6(k + i * key.stride(0), key.stride(1), layout, offset, kg, inv_kg, false,
+                           k_base + block * k_block_stride);
       store_token_4over6(v + i * value.stride(0), value.stride(1), layout, offset, vg, inv_vg, swizzle_v_scales,
-                         v_base + block * block_stride);
+                         v_base + block * v_block_stride);
     }
   });
 }
@@ -624,8 +651,9 @@ void gather_nvfp4_kv_cache_cpu(const Tensor& key_cache, const Tensor& value_cach
   const float kg = global_scale(k_scale), vg = global_scale(v_scale);
   const uint8_t* k_base = bytes_of(key_cache);
   const uint8_t* v_base = bytes_of(value_cache);
-  const int64_t block_stride = key_cache.stride(0), num_rows = cu[batch];
-  auto gather_side = [&](const uint8_t* base, float global, bool swizzled, Tensor& out) {
+  const int64_t num_rows = cu[batch];
+  auto gather_side = [&](const uint8_t* base, int64_t block_stride, float global, bool fp8, bool swizzled,
+                         Tensor& out) {
     const std::vector<int64_t> deltas = scale_deltas(layout, swizzled);
     dispatch_float_types(out.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
@@ -636,12 +664,16 @@ void gather_nvfp4_kv_cache_cpu(const Tensor& key_cache, const Tensor& value_cach
       for (int64_t row = 0; row < num_rows; ++row) {
         const int64_t b = sequence_of(cu, batch, row), p = row - cu[b];
         const uint8_t* side = base + table[b * table_stride + p / layout.block_size] * block_stride;
-        kernels.load_token(side, layout, p % layout.block_size, deltas.data(), global, o + row * token_stride, head_stride);
+        if (fp8)
+          load_fp8_key(side, layout, p % layout.block_size, global, o + row * token_stride, head_stride);
+        else
+          kernels.load_token(side, layout, p % layout.block_size, deltas.data(), global, o + row * token_stride,
+                             head_stride);
       }
     });
   };
-  gather_side(k_base, kg, false, out_key);
-  gather_side(v_base, vg, swizzle_v_scales, out_value);
+  gather_side(k_base, key_cache.stride(0), kg, layout.fp8_keys, false, out_key);
+  gather_side(v_base, value_cache.stride(0), vg, false, swizzle_v_scales, out_value);
 }
 
 void indexer_k_quant_and_cache_cpu(const Tensor& k, Tensor& kv_cache, const Tensor& slot_mapping,

@@ -18,13 +18,15 @@ namespace vllm_nvfp4 {
 constexpr int64_t NVFP4_GROUP = 16;  // head-dim elements that share one FP8 block scale
 
 // One side (K or V) of one block of the NVFP4 KV cache is [DATA | SCALES]; (token, head) entries sit in
-// NHD (token-major) or HND (head-major) order inside each region.
+// NHD (token-major) or HND (head-major) order inside each region. With fp8_keys the K side holds FP8 E4M3 keys,
+// head_size bytes per entry in the same order, and no block scales.
 struct NVFP4PageLayout {
   int64_t head_size;
   int64_t block_size;
   int64_t num_heads;
   bool hnd;
   bool swizzle_v_scales;
+  bool fp8_keys = false;
 
   NVFP4_HD int64_t data_dim() const { return head_size / 2; }
   NVFP4_HD int64_t scale_dim() const { return head_size / NVFP4_GROUP; }
@@ -32,13 +34,18 @@ struct NVFP4PageLayout {
   NVFP4_HD int64_t entries() const { return block_size * num_heads; }
   NVFP4_HD int64_t data_region_bytes() const { return entries() * data_dim(); }
   NVFP4_HD int64_t side_bytes() const { return entries() * full_dim(); }
-  NVFP4_HD int64_t page_bytes() const { return 2 * side_bytes(); }
+  NVFP4_HD int64_t key_dim() const { return fp8_keys ? head_size : full_dim(); }
+  NVFP4_HD int64_t key_side_bytes() const { return entries() * key_dim(); }
+  NVFP4_HD int64_t page_bytes() const { return key_side_bytes() + side_bytes(); }
 
   NVFP4_HD int64_t entry_index(int64_t token, int64_t head) const {
     return hnd ? head * block_size + token : token * num_heads + head;
   }
   NVFP4_HD int64_t data_offset(int64_t token, int64_t head) const {
     return entry_index(token, head) * data_dim();
+  }
+  NVFP4_HD int64_t fp8_key_offset(int64_t token, int64_t head) const {
+    return entry_index(token, head) * head_size;
   }
   // `swizzled` applies trtllm-gen's V-scale order inside each head's [block_size x scale_dim] matrix.
   NVFP4_HD int64_t scale_offset(int64_t token, int64_t head, int64_t s, bool swizzled) const {

@@ -42,10 +42,12 @@ class NVFP4Case:
     block_pad: int = 0  # bytes of padding after each cache page
     negative_slots: float = 0.1
     seed: int = 0
+    fp8_keys: bool = False
 
     @property
     def layout(self) -> NVFP4PageLayout:
-        return NVFP4PageLayout(self.head_size, self.block_size, self.num_heads, self.hnd, self.swizzle_v_scales)
+        return NVFP4PageLayout(self.head_size, self.block_size, self.num_heads, self.hnd, self.swizzle_v_scales,
+                               self.fp8_keys)
 
 
 def nvfp4_cache(case: NVFP4Case, device, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,6 +62,15 @@ def nvfp4_cache(case: NVFP4Case, device, fill: int) -> tuple[torch.Tensor, torch
         strides = (page_stride, layout.side_bytes, case.num_heads * entry, entry, 1)
     kv_cache = buffer.as_strided(layout.kv_cache_shape(case.num_blocks), strides, page_stride)
     return buffer, kv_cache
+
+
+def nvfp4_sides(case: NVFP4Case, device, fill: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(whole buffer, key_cache, value_cache) between guard pages, for either key format."""
+    layout = case.layout
+    page_stride = layout.page_bytes + case.block_pad
+    buffer = torch.full(((case.num_blocks + 2) * page_stride,), fill, dtype=torch.uint8, device=device)
+    pages = buffer[page_stride:(case.num_blocks + 1) * page_stride].view(case.num_blocks, page_stride)
+    return (buffer, *layout.side_views(pages))
 
 
 def _activations(g: torch.Generator, num_tokens: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -88,8 +99,8 @@ def nvfp4_store_inputs(case: NVFP4Case, device, fill: int = 0xA5) -> dict:
     skip = torch.rand(case.num_tokens, generator=g) < case.negative_slots
     slots[skip] = -torch.randint(1, 5, (int(skip.sum()),), generator=g)
     k_scale, v_scale = _log_uniform(g, (2,), -12, 6).float()
-    buffer, kv_cache = nvfp4_cache(case, device, fill)
-    return dict(key=key, value=value, key_cache=kv_cache[:, 0], value_cache=kv_cache[:, 1],
+    buffer, key_cache, value_cache = nvfp4_sides(case, device, fill)
+    return dict(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                 slot_mapping=slots.to(device), k_scale=k_scale.reshape(1).to(device),
                 v_scale=v_scale.reshape(1).to(device), swizzle_v_scales=case.swizzle_v_scales, buffer=buffer)
 
@@ -117,10 +128,10 @@ def nvfp4_gather_inputs(case: NVFP4Case, seq_lens: list[int], device, out_dtype=
                         poison: float = 12345.0) -> dict:
     """Arguments of gather_nvfp4_kv_cache over a cache of random bytes; output rows past the tokens hold `poison`."""
     g = torch.Generator().manual_seed(case.seed)
-    buffer, kv_cache = nvfp4_cache(case, "cpu", 0)
+    buffer, key_cache, value_cache = nvfp4_sides(case, "cpu", 0)
     buffer.copy_(random_cache_bytes(g, buffer.numel()))
     buffer = buffer.to(device)
-    kv_cache = buffer.as_strided(kv_cache.shape, kv_cache.stride(), kv_cache.storage_offset())
+    key_cache, value_cache = (buffer.as_strided(c.shape, c.stride(), c.storage_offset()) for c in (key_cache, value_cache))
     table, cu = gather_tables(g, seq_lens, case.block_size, case.num_blocks, garbage=-7)
     k_scale, v_scale = _log_uniform(g, (2,), -8, 4).float()
     rows = int(cu[-1]) + extra_rows
@@ -130,7 +141,7 @@ def nvfp4_gather_inputs(case: NVFP4Case, seq_lens: list[int], device, out_dtype=
     out_key, out_value = out[:, 0, :, :case.head_size], out[:, 1, :, :case.head_size]
     if not case.row_pad:
         out_key, out_value = out_key.contiguous(), out_value.contiguous()
-    return dict(key_cache=kv_cache[:, 0], value_cache=kv_cache[:, 1], block_table=table.to(device),
+    return dict(key_cache=key_cache, value_cache=value_cache, block_table=table.to(device),
                 cu_seq_lens=cu.to(device), k_scale=k_scale.reshape(1).to(device), v_scale=v_scale.reshape(1).to(device),
                 swizzle_v_scales=case.swizzle_v_scales, out_key=out_key, out_value=out_value)
 

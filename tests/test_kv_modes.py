@@ -1,4 +1,5 @@
-"""The NVFP4-family KV modes beyond plain NVFP4: `nvfp4_4over6` stores, bit for bit against the reference.
+"""The NVFP4-family KV modes beyond plain NVFP4, bit for bit against the reference: `nvfp4_4over6` stores, and FP8
+E4M3 keys with NVFP4 values (an `fp8_keys` page: the same ops, told apart by the caches' shapes).
 
 Plain NVFP4 must not move when a mode is added: its cache bytes are pinned to digests recorded from the ops and the
 reference as they were before `nvfp4_4over6` existed.
@@ -9,9 +10,9 @@ import hashlib
 import pytest
 import torch
 
-from op_cases import FLOAT_DTYPES, NVFP4Case, nvfp4_store_inputs
+from op_cases import FLOAT_DTYPES, NVFP4Case, bits, nvfp4_gather_inputs, nvfp4_store_inputs
 from vllm_nvfp4_plugin import ops, reference
-from vllm_nvfp4_plugin.layout import NVFP4_GROUP
+from vllm_nvfp4_plugin.layout import NVFP4_GROUP, NVFP4PageLayout
 
 
 def store(case: NVFP4Case, device, op, ref_op):
@@ -102,3 +103,99 @@ def test_a_sliding_window_that_covers_max_model_len_is_no_window():
     assert effective_sliding_window(512, 1024) == 512  # tokens leave the window: a backend must serve windows
     assert effective_sliding_window(512, None) == 512
     assert effective_sliding_window(None, 1024) is None and effective_sliding_window(-1, 1024) is None
+
+
+# --- FP8 E4M3 keys, NVFP4 values (an fp8_keys page) ----------------------------------------------------
+
+def fp8_key_case(head_size=128, hnd=False, swizzle=False, dtype=torch.bfloat16, seed=0, **kw) -> NVFP4Case:
+    return NVFP4Case(head_size=head_size, num_heads=1 + seed % 3, block_size=16 if seed % 2 else 32, num_blocks=5,
+                     num_tokens=60, dtype=dtype, hnd=hnd, swizzle_v_scales=swizzle, row_pad=16 * (seed % 3),
+                     block_pad=seed % 2 * 40, seed=seed, fp8_keys=True, **kw)
+
+
+def test_fp8_key_page_sizes():
+    layout = NVFP4PageLayout(128, 16, 8, fp8_keys=True)
+    assert (layout.key_dim, layout.full_dim) == (128, 72)
+    assert layout.page_bytes == 16 * 8 * (128 + 72)  # 2.56x fewer bytes than bf16's 16 * 8 * 512
+    assert NVFP4PageLayout(128, 16, 8).page_bytes == 16 * 8 * 144
+
+
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+@pytest.mark.parametrize("swizzle", [False, True], ids=["linear", "swizzled"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+@pytest.mark.parametrize("four_over_six", [False, True], ids=["nvfp4", "4over6"])
+def test_fp8_key_store_matches_reference(hnd, swizzle, dtype, four_over_six):
+    seed = 7 * hnd + 13 * swizzle + 31 * FLOAT_DTYPES.index(dtype) + four_over_six
+    case = fp8_key_case(64 * (1 + seed % 4) if seed % 4 != 2 else 128, hnd, swizzle, dtype, seed)
+    op, ref_op = ((ops.reshape_and_cache_nvfp4_4over6, reference.reshape_and_cache_nvfp4_4over6) if four_over_six
+                  else (ops.reshape_and_cache_nvfp4, reference.reshape_and_cache_nvfp4))
+    buffer, expected = store(case, "cpu", op, ref_op)
+    assert torch.equal(buffer, expected)  # guard pages, block padding and unused slots included
+
+
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+@pytest.mark.parametrize("swizzle", [False, True], ids=["linear", "swizzled"])
+def test_fp8_key_gather_matches_reference(hnd, swizzle):
+    seed = 3 + 2 * hnd + swizzle
+    case = fp8_key_case(128, hnd, swizzle, FLOAT_DTYPES[seed % 3], seed)
+    args, expected = (nvfp4_gather_inputs(case, [50, 0, 17, 33], "cpu") for _ in range(2))
+    ops.gather_nvfp4_kv_cache(**args)
+    reference.gather_nvfp4_kv_cache(**expected)
+    for name in ("out_key", "out_value"):
+        assert torch.equal(bits(args[name]), bits(expected[name]))
+        assert (args[name][100:] == 12345.0).all()  # rows past cu_seq_lens[-1] untouched
+
+
+def test_fp8_keys_round_trip_ten_times_closer_than_nvfp4():
+    g = torch.Generator().manual_seed(1)
+    key = torch.randn(64, 2, 128, generator=g)
+    key[..., 5] *= 40  # an outlier channel, as real models' keys have
+    errors = {}
+    for fp8_keys in (False, True):
+        layout = NVFP4PageLayout(128, 16, 2, fp8_keys=fp8_keys)
+        key_cache, value_cache = layout.allocate_sides(4, fill=0)
+        scale = torch.ones(1)
+        ops.reshape_and_cache_nvfp4(key, key, key_cache, value_cache, torch.arange(64), scale, scale, False)
+        out = torch.empty_like(key), torch.empty_like(key)
+        ops.gather_nvfp4_kv_cache(key_cache, value_cache, torch.arange(4, dtype=torch.int32).view(1, 4),
+                                  torch.tensor([0, 64], dtype=torch.int32), scale, scale, False, *out)
+        errors[fp8_keys] = ((out[0] - key).norm() / key.norm()).item()
+        assert torch.equal(out[1], reference_nvfp4(key))  # values stay NVFP4
+    assert errors[True] < 0.03 and errors[True] * 3 < errors[False]
+
+
+def reference_nvfp4(x):
+    packed, sf = reference.nvfp4_encode(x, 1.0)
+    return reference.nvfp4_decode(packed, sf, 1.0)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda k, v: (k[..., :100], v),
+     r"key_cache: last dim 100 is not head_size/2 \+ head_size/16 .* or value_cache's head size \(FP8 keys\)"),
+    (lambda k, v: (k[:3], v), r"key_cache: FP8 keys must have value_cache's blocks"),
+    (lambda k, v: (k.transpose(1, 2).contiguous().transpose(1, 2), v),
+     r"key_cache: FP8 key block sides must be contiguous"),
+], ids=["key_dim", "key_blocks", "key_strides"])
+def test_fp8_key_cache_bad_input(change, message):
+    args = nvfp4_store_inputs(fp8_key_case(seed=4), "cpu")
+    args.pop("buffer")
+    args["key_cache"], args["value_cache"] = change(args["key_cache"], args["value_cache"])
+    with pytest.raises(RuntimeError, match=message):
+        ops.reshape_and_cache_nvfp4(**args)
+
+
+def test_fp8_key_layout_bad_input():
+    key_cache, value_cache = NVFP4PageLayout(128, 16, 2, fp8_keys=True).allocate_sides(3)
+    with pytest.raises(ValueError, match=r"key_cache must have value_cache's shape .* \(FP8 keys\)"):
+        NVFP4PageLayout.from_caches(key_cache[..., :100], value_cache)
+    with pytest.raises(ValueError, match=r"key_cache must hold contiguous FP8 block sides"):
+        NVFP4PageLayout.from_caches(key_cache.transpose(1, 2).contiguous().transpose(1, 2), value_cache)
+    assert NVFP4PageLayout.from_caches(key_cache, value_cache).fp8_keys
+
+
+@pytest.mark.gpu
+def test_fp8_keys_are_refused_on_cuda():
+    args = nvfp4_store_inputs(fp8_key_case(seed=1), "cuda")
+    args.pop("buffer")
+    with pytest.raises(RuntimeError, match="reshape_and_cache_nvfp4: key_cache: FP8 E4M3 keys are served on CPU only"):
+        ops.reshape_and_cache_nvfp4(**args)

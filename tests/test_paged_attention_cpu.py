@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from vllm_nvfp4_plugin import ops, reference
 from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata, store_kv
-from vllm_nvfp4_plugin.attention.core import paged_attention, paged_attention_reference
+from vllm_nvfp4_plugin.attention.core import cache_sides, paged_attention, paged_attention_reference
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.tools.paged_case import PagedCase, relative_l2
 
@@ -60,11 +60,11 @@ class Case:
 
     def __init__(self, requests, *, head_size=128, kv_heads=2, group=4, block_size=16, hnd=False, swizzle=False,
                  dtype=torch.bfloat16, causal=True, seed=0, k_scale=0.75, v_scale=1.25, scale=None, shape_kv=None,
-                 window=0, soft_cap=0.0, sinks=False):
+                 window=0, soft_cap=0.0, sinks=False, fp8_keys=False):
         gen = torch.Generator().manual_seed(seed)
         self.window, self.soft_cap = window, soft_cap
         self.sinks = torch.randn(kv_heads * group, generator=gen) * 2 + 1 if sinks else None
-        self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle)
+        self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle, fp8_keys)
         self.requests, self.causal, self.dtype = list(requests), causal, dtype
         self.paged = PagedCase(requests, self.layout, kv_heads * group, gen, dtype=dtype, k_scale=k_scale,
                                v_scale=v_scale, extra_table_columns=2, unused_entry=-7)
@@ -72,7 +72,8 @@ class Case:
         if shape_kv is not None:
             for x in self.paged.k + self.paged.v:
                 shape_kv(x)
-        self.cache = self.layout.allocate(self.paged.num_blocks, fill=0xFF)
+        # FP8 keys: a (key_cache, value_cache) pair, their unused bytes 0xFF (FP8 NaN keys, NaN V block scales)
+        self.cache = (self.layout.allocate_sides if fp8_keys else self.layout.allocate)(self.paged.num_blocks, fill=0xFF)
         key, value, slots = self.paged.context_tokens()
         store_kv(key, value, self.cache, slots, self.k_scale, self.v_scale, swizzle)
         self.num_tokens = sum(n for n, _ in requests)
@@ -85,7 +86,7 @@ class Case:
 
     def args(self, out, max_query_len=None, max_seq_len=None, cache=None):
         cache = self.cache if cache is None else cache
-        return (self.query, cache[:, 0], cache[:, 1], self.paged.block_table, self.query_start_loc,
+        return (self.query, *cache_sides(cache), self.paged.block_table, self.query_start_loc,
                 self.seq_lens, self.k_scale, self.v_scale, self.scale, self.causal, self.layout.swizzle_v_scales,
                 max(self.paged.query_lens) if max_query_len is None else max_query_len,
                 max(self.paged.seq_lens) if max_seq_len is None else max_seq_len, out,
@@ -94,6 +95,7 @@ class Case:
     def poison_keys_outside_windows(self) -> int:
         """Overwrite with 0xFF (NaN block scales) the K and V bytes of every cached token older than the window of
         its request's first query row: a kernel that reads one of them writes NaN. Returns how many tokens."""
+        assert not self.layout.fp8_keys, "poisons NVFP4 keys"
         self.clean_cache = self.cache.clone()
         layout, poisoned = self.layout, 0
         heads = torch.arange(layout.num_heads)[:, None]
@@ -154,6 +156,25 @@ MIXED = [(1, 1), (1, 17), (1, 1300), (37, 37), (20, 75), (16, 48), (9, 64), (3, 
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_mixed_batch_every_layout(head_size, hnd, swizzle, group):
     case = Case(MIXED, head_size=head_size, hnd=hnd, swizzle=swizzle, group=group, seed=head_size + group)
+    case.check(case.run())
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_fp8_keys_mixed_batch(head_size, hnd, group):
+    case = Case(MIXED, head_size=head_size, hnd=hnd, swizzle=hnd, group=group, seed=head_size + group, fp8_keys=True)
+    case.check(case.run())
+
+
+@pytest.mark.parametrize("shape_kv", [outliers, zero_groups, saturated, tiny], ids=lambda f: f.__name__)
+def test_fp8_keys_adversarial_values(shape_kv):
+    case = Case(MIXED, shape_kv=shape_kv, seed=5, fp8_keys=True, k_scale=2.0 if shape_kv is saturated else 0.75)
+    case.check(case.run())
+
+
+def test_fp8_keys_with_model_features():
+    case = Case(MIXED, window=45, soft_cap=3.0, sinks=True, dtype=torch.float16, seed=8, fp8_keys=True)
     case.check(case.run())
 
 
@@ -324,7 +345,7 @@ THREADS_SCRIPT = """
 import pickle, sys, torch
 import test_paged_attention_cpu as t
 outs = []
-for features in ({}, dict(window=333, soft_cap=4.0, sinks=True)):
+for features in ({}, dict(window=333, soft_cap=4.0, sinks=True), dict(fp8_keys=True)):
     case = t.Case([(1, 3000), (1, 70), (300, 900), (2, 5000)], kv_heads=2, group=4, seed=13, **features)
     outs.append(case.run().view(torch.int16).tolist())
 sys.stdout.buffer.write(pickle.dumps(outs))
@@ -349,9 +370,11 @@ for seed, (head_size, hnd, swizzle, dtype, extra) in enumerate([
         (64, False, True, torch.bfloat16, {}), (128, True, False, torch.float16, {}),
         (256, False, False, torch.float32, {}), (128, True, True, torch.float32, {}),
         (64, True, False, torch.float32, features), (128, False, True, torch.bfloat16, features),
-        (256, True, True, torch.float32, dict(soft_cap=0.7))]):
+        (256, True, True, torch.float32, dict(soft_cap=0.7)), (64, True, True, torch.float32, dict(fp8_keys=True)),
+        (128, False, False, torch.bfloat16, dict(fp8_keys=True, window=45, sinks=True))]):
     case = t.Case(t.MIXED, head_size=head_size, hnd=hnd, swizzle=swizzle, dtype=dtype, seed=seed, **extra)
-    case.poison_keys_outside_windows()
+    if not case.layout.fp8_keys:
+        case.poison_keys_outside_windows()
     out = case.run()
     case.check(out)
     outs.append((out[:case.num_tokens].float().tolist(), dtype == torch.float32))
@@ -479,7 +502,8 @@ def cases(draw) -> Case:
 @FUZZ
 @given(case=cases())
 def test_fuzz_against_reference(case):
-    case.poison_keys_outside_windows()
+    if not case.layout.fp8_keys:
+        case.poison_keys_outside_windows()
     out = case.run()
     if case.num_tokens:
         case.check(out)

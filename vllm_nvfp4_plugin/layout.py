@@ -6,7 +6,7 @@ descriptors for offsets instead of re-deriving them from strides.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -19,6 +19,9 @@ class NVFP4PageLayout:
 
     Each side (K, V) of a block is `[DATA | SCALES]`; inside each region a (token, head) entry sits in
     NHD order (token-major) or HND order (head-major). V scales may be stored swizzled for trtllm-gen.
+
+    With `fp8_keys` the K side holds FP8 E4M3 keys instead, `key_dim` = head_size bytes per (token, head) entry in
+    the same entry order and no block scales (key ≈ fp8 · k_scale); the V side is unchanged and follows the K side.
     """
 
     head_size: int
@@ -26,6 +29,7 @@ class NVFP4PageLayout:
     num_heads: int
     hnd: bool = False
     swizzle_v_scales: bool = False
+    fp8_keys: bool = False
 
     def __post_init__(self):
         if self.head_size <= 0 or self.head_size % NVFP4_GROUP:
@@ -60,12 +64,20 @@ class NVFP4PageLayout:
         return self.entries * self.data_dim
 
     @property
-    def side_bytes(self) -> int:
+    def side_bytes(self) -> int:  # one NVFP4 side (V; K too without fp8_keys)
         return self.entries * self.full_dim
 
     @property
+    def key_dim(self) -> int:  # bytes per (token, head) on the K side
+        return self.head_size if self.fp8_keys else self.full_dim
+
+    @property
+    def key_side_bytes(self) -> int:
+        return self.entries * self.key_dim
+
+    @property
     def page_bytes(self) -> int:  # K and V of one block
-        return 2 * self.side_bytes
+        return self.key_side_bytes + self.side_bytes
 
     # --- offsets inside one side of one block --------------------------------------------------------
     def entry_index(self, token, head):
@@ -76,6 +88,10 @@ class NVFP4PageLayout:
 
     def data_offset(self, token, head):
         return self.entry_index(token, head) * self.data_dim
+
+    def fp8_key_offset(self, token, head):
+        """Byte offset of (token, head)'s first FP8 key byte in the K side of an `fp8_keys` page."""
+        return self.entry_index(token, head) * self.head_size
 
     def scale_offset(self, token, head, s, swizzled: bool = False):
         """Byte offset of scale `s` of (token, head); `swizzled` applies trtllm-gen's V-scale order."""
@@ -90,6 +106,8 @@ class NVFP4PageLayout:
 
     def allocate(self, num_blocks: int, device="cpu", fill: int | None = None) -> torch.Tensor:
         """A cache as vLLM allocates it: HND is allocated head-major and permuted to the logical order."""
+        if self.fp8_keys:
+            raise ValueError("an fp8_keys page has sides of different sizes: use allocate_sides")
         if self.hnd:
             t = torch.empty((num_blocks, 2, self.num_heads, self.block_size, self.full_dim),
                             dtype=torch.uint8, device=device).permute(0, 1, 3, 2, 4)
@@ -98,6 +116,25 @@ class NVFP4PageLayout:
         if fill is not None:
             t.fill_(fill)
         return t
+
+    def allocate_sides(self, num_blocks: int, device="cpu", fill: int | None = None):
+        """(key_cache, value_cache) `[num_blocks, block_size, num_heads, key_dim / full_dim]` over one buffer of
+        `page_bytes` per block, K side first (either key format)."""
+        pages = torch.empty((num_blocks, self.page_bytes), dtype=torch.uint8, device=device)
+        if fill is not None:
+            pages.fill_(fill)
+        return self.side_views(pages)
+
+    def side_views(self, pages: torch.Tensor, page_stride: int | None = None):
+        """(key_cache, value_cache) views of the pages whose block b starts at `pages[b]` (a uint8 tensor whose first
+        dim steps `page_stride` bytes, by default its own stride)."""
+        stride0 = pages.stride(0) if page_stride is None else page_stride
+
+        def side(offset: int, dim: int) -> torch.Tensor:
+            return pages.as_strided((pages.size(0), self.block_size, self.num_heads, dim),
+                                    (stride0, *self._entry_strides(dim), 1), pages.storage_offset() + offset)
+
+        return side(0, self.key_dim), side(self.key_side_bytes, self.full_dim)
 
     @staticmethod
     def is_hnd(side_cache: torch.Tensor) -> bool:
@@ -125,6 +162,27 @@ class NVFP4PageLayout:
                              f"{tuple(side_cache.stride())}")
         return layout
 
+    @classmethod
+    def from_caches(cls, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    swizzle_v_scales: bool = False) -> "NVFP4PageLayout":
+        """Layout of a (key_cache, value_cache) pair: NVFP4 keys when both sides have one shape, FP8 keys when
+        key_cache's last dim is value_cache's head size; raises ValueError naming the rule it breaks."""
+        if key_cache.dim() == 4 and value_cache.dim() == 4 and key_cache.shape != value_cache.shape:
+            layout = cls.from_side_cache(value_cache, swizzle_v_scales)
+            if tuple(key_cache.shape) != (*value_cache.shape[:3], layout.head_size):
+                raise ValueError(f"key_cache must have value_cache's shape {tuple(value_cache.shape)} (NVFP4 keys) or "
+                                 f"last dim head_size = {layout.head_size} (FP8 keys), got {tuple(key_cache.shape)}")
+            layout = replace(layout, fp8_keys=True)
+            strides = (*layout._entry_strides(layout.head_size), 1)
+            if any(key_cache.size(d) > 1 and key_cache.stride(d) != strides[d - 1] for d in (1, 2, 3)):
+                raise ValueError(f"key_cache must hold contiguous FP8 block sides in value_cache's order (NHD or HND), "
+                                 f"got strides {tuple(key_cache.stride())}")
+            return layout
+        return cls.from_side_cache(key_cache, swizzle_v_scales)
+
+    def _entry_strides(self, dim: int) -> tuple[int, int]:  # (token, head) strides of a side of `dim`-byte entries
+        return (dim, self.block_size * dim) if self.hnd else (self.num_heads * dim, dim)
+
     @property
     def _inner_dim(self) -> int:  # logical dim that varies fastest between entries
         return 1 if self.hnd else 2
@@ -136,6 +194,10 @@ class NVFP4PageLayout:
     def side_bytes_view(self, side_cache: torch.Tensor) -> torch.Tensor:
         """`[num_blocks, side_bytes]` byte view of one side, whatever the layout and block stride."""
         return side_cache.as_strided((side_cache.size(0), self.side_bytes), (side_cache.stride(0), 1))
+
+    def key_side_bytes_view(self, key_cache: torch.Tensor) -> torch.Tensor:
+        """`[num_blocks, key_side_bytes]` byte view of the K side (either key format)."""
+        return key_cache.as_strided((key_cache.size(0), self.key_side_bytes), (key_cache.stride(0), 1))
 
 
 @dataclass(frozen=True)

@@ -102,15 +102,36 @@ def _entry_offsets(layout: NVFP4PageLayout, offsets: torch.Tensor, swizzled: boo
     return data, scale
 
 
+def fp8_key_encode(key: torch.Tensor, k_scale) -> torch.Tensor:
+    """FP8 keys of an `fp8_keys` page (uint8): e4m3(key / k_scale) in float32, as vLLM's FP8 cache stores them."""
+    return e4m3(key.to(_F32) / _f32(k_scale).to(key.device)).view(torch.uint8)
+
+
+def fp8_key_decode(codes: torch.Tensor, k_scale, dtype=torch.float32) -> torch.Tensor:
+    return (codes.view(torch.float8_e4m3fn).to(_F32) * _f32(k_scale).to(codes.device)).to(dtype)
+
+
+def _fp8_key_offsets(layout: NVFP4PageLayout, offsets: torch.Tensor):
+    """Byte offsets `[n, heads, head_size]` of the FP8 keys at block offsets `offsets` inside a K side."""
+    h = torch.arange(layout.num_heads, device=offsets.device).view(1, -1, 1)
+    return layout.fp8_key_offset(offsets.view(-1, 1, 1), h) + torch.arange(layout.head_size, device=offsets.device)
+
+
 def reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
                             swizzle_v_scales: bool, four_over_six: bool = False) -> None:
-    layout = NVFP4PageLayout.from_side_cache(key_cache, swizzle_v_scales)
+    layout = NVFP4PageLayout.from_caches(key_cache, value_cache, swizzle_v_scales)
     slots = slot_mapping.long()
     valid = (slots >= 0).nonzero().flatten()
     slots = slots[valid]
     blocks, offsets = slots // layout.block_size, slots % layout.block_size
-    for side_cache, x, g, swizzled in ((key_cache, key, k_scale, False),
-                                       (value_cache, value, v_scale, swizzle_v_scales)):
+    sides = [(value_cache, value, v_scale, swizzle_v_scales)]
+    if layout.fp8_keys:
+        key_off = _fp8_key_offsets(layout, offsets)
+        flat = layout.key_side_bytes_view(key_cache)
+        flat[blocks.view(-1, 1, 1).expand_as(key_off), key_off] = fp8_key_encode(key[valid], k_scale)
+    else:
+        sides.insert(0, (key_cache, key, k_scale, False))
+    for side_cache, x, g, swizzled in sides:
         packed, sf = nvfp4_encode(x[valid], g, four_over_six)
         data_off, scale_off = _entry_offsets(layout, offsets, swizzled)
         flat = layout.side_bytes_view(side_cache)
@@ -140,10 +161,16 @@ def _gather_positions(block_table, cu_seq_lens, block_size):
 
 def gather_nvfp4_kv_cache(key_cache, value_cache, block_table, cu_seq_lens, k_scale, v_scale,
                           swizzle_v_scales: bool, out_key, out_value) -> None:
-    layout = NVFP4PageLayout.from_side_cache(key_cache, swizzle_v_scales)
+    layout = NVFP4PageLayout.from_caches(key_cache, value_cache, swizzle_v_scales)
     rows, blocks, offsets = _gather_positions(block_table, cu_seq_lens, layout.block_size)
-    for side_cache, out, g, swizzled in ((key_cache, out_key, k_scale, False),
-                                         (value_cache, out_value, v_scale, swizzle_v_scales)):
+    sides = [(value_cache, out_value, v_scale, swizzle_v_scales)]
+    if layout.fp8_keys:
+        key_off = _fp8_key_offsets(layout, offsets)
+        flat = layout.key_side_bytes_view(key_cache)
+        out_key[rows] = fp8_key_decode(flat[blocks.view(-1, 1, 1).expand_as(key_off), key_off], k_scale, out_key.dtype)
+    else:
+        sides.insert(0, (key_cache, out_key, k_scale, False))
+    for side_cache, out, g, swizzled in sides:
         data_off, scale_off = _entry_offsets(layout, offsets, swizzled)
         flat = layout.side_bytes_view(side_cache)
         b = blocks.view(-1, 1, 1)
@@ -161,7 +188,7 @@ def nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_star
     <= p - w from the query at p; `logits_soft_cap` c > 0 maps a scaled logit s to c·tanh(s / c); `sinks` (one
     logit per query head) joins the softmax's denominator and is dropped from its output.
     """
-    layout = NVFP4PageLayout.from_side_cache(key_cache, swizzle_v_scales)
+    layout = NVFP4PageLayout.from_caches(key_cache, value_cache, swizzle_v_scales)
     starts, lens = query_start_loc.long().cpu().tolist(), seq_lens.long().cpu().tolist()
     group = query.size(1) // layout.num_heads
     for r, c in enumerate(lens):

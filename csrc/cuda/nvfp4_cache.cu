@@ -273,6 +273,7 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
   if (num_tokens == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
   check_head_size(op, layout);
+  check_nvfp4_keys(op, layout);
   const dim3 block = block_shape(layout, 1);
   const dim3 grid(static_cast<unsigned>((num_tokens + block.z - 1) / block.z));
   const cudaStream_t stream = current_stream(key_cache);
@@ -306,6 +307,7 @@ void reshape_and_cache_nvfp4_4over6_cuda(const Tensor& key, const Tensor& value,
   if (num_tokens == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
   check_head_size(op, layout);
+  check_nvfp4_keys(op, layout);
   const dim3 block = block_shape(layout, 1);
   const dim3 grid(static_cast<unsigned>((num_tokens + block.z - 1) / block.z));
   const cudaStream_t stream = current_stream(key_cache);
@@ -333,6 +335,7 @@ void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cac
   if (num_rows == 0 || batch == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
   check_head_size(op, layout);
+  check_nvfp4_keys(op, layout);
   const dim3 block = block_shape(layout, 2);
   const int64_t rows_per_block = static_cast<int64_t>(block.z) * ROWS;
   const dim3 grid(static_cast<unsigned>((num_rows + rows_per_block - 1) / rows_per_block));

@@ -1099,6 +1099,7 @@ NVFP4PageLayout check_cuda_paged_attention(const Tensor& query, const Tensor& ke
       check_nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale,
                                   v_scale, swizzle_v_scales, max_query_len, max_seq_len, out);
   check_attention_features(sliding_window, logits_soft_cap, sinks, query);
+  check_nvfp4_keys(op, layout);
   NVFP4_CHECK(query.scalar_type() == ScalarType::BFloat16 || query.scalar_type() == ScalarType::Half, op,
               ": query: dtype must be bfloat16 or float16 on CUDA, got ", query.scalar_type());
   NVFP4_CHECK(aligned(key_cache.const_data_ptr(), 16) && aligned(value_cache.const_data_ptr(), 16) &&

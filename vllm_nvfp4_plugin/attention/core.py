@@ -61,20 +61,37 @@ def check_supported(head_size: int, num_heads: int, num_kv_heads: int, *, slidin
                              f"got {tuple(sinks.shape)}")
 
 
-def cache_layout(kv_cache: torch.Tensor, swizzle_v_scales: bool = False) -> NVFP4PageLayout:
-    """Layout of a `[num_blocks, 2, block_size, num_heads, full_dim]` uint8 cache (NHD or HND)."""
+# A layer's cache: `[num_blocks, 2, block_size, num_heads, full_dim]` uint8 (NVFP4 keys), or the pair
+# (key_cache, value_cache) of `[num_blocks, block_size, num_heads, ·]` views that every key format has.
+KVCache = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+
+
+def cache_sides(kv_cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """(key_cache, value_cache) of either form; raises naming the rule a malformed cache breaks."""
+    if isinstance(kv_cache, tuple):
+        key_cache, value_cache = kv_cache
+        if key_cache.dtype != torch.uint8 or value_cache.dtype != torch.uint8:
+            raise ValueError(f"key_cache and value_cache must be uint8, got {key_cache.dtype} and {value_cache.dtype}")
+        return key_cache, value_cache
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 5 or kv_cache.size(1) != 2:
         raise ValueError(f"kv_cache must be uint8 [num_blocks, 2, block_size, num_heads, full_dim], "
                          f"got {kv_cache.dtype} of shape {tuple(kv_cache.shape)}")
-    return NVFP4PageLayout.from_side_cache(kv_cache[:, 0], swizzle_v_scales)
+    return kv_cache[:, 0], kv_cache[:, 1]
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-             k_scale: torch.Tensor, v_scale: torch.Tensor, swizzle_v_scales: bool = False) -> None:
-    """Quantize the first `len(slot_mapping)` tokens of `key`/`value` `[n, kv_heads, head]` into their slots."""
+def cache_layout(kv_cache: KVCache, swizzle_v_scales: bool = False) -> NVFP4PageLayout:
+    """Layout of a cache (NHD or HND; NVFP4 or FP8 keys)."""
+    return NVFP4PageLayout.from_caches(*cache_sides(kv_cache), swizzle_v_scales)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor, v_scale: torch.Tensor, swizzle_v_scales: bool = False,
+             four_over_six: bool = False) -> None:
+    """Quantize the first `len(slot_mapping)` tokens of `key`/`value` `[n, kv_heads, head]` into their slots;
+    `four_over_six` takes vLLM's "nvfp4_4over6" block scales."""
     cache_layout(kv_cache, swizzle_v_scales)  # raises naming the rule a malformed cache breaks
-    kv_ops.reshape_and_cache_nvfp4(key, value, kv_cache[:, 0], kv_cache[:, 1], slot_mapping,
-                                   k_scale, v_scale, swizzle_v_scales)
+    store = kv_ops.reshape_and_cache_nvfp4_4over6 if four_over_six else kv_ops.reshape_and_cache_nvfp4
+    store(key, value, *cache_sides(kv_cache), slot_mapping, k_scale, v_scale, swizzle_v_scales)
 
 
 class DequantWorkspace:
@@ -113,7 +130,7 @@ def _check_batch(query: torch.Tensor, layout: NVFP4PageLayout, metadata: NVFP4At
     return query_start, seq_lens
 
 
-def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4AttentionMetadata, scale: float,
+def paged_attention(query: torch.Tensor, kv_cache: KVCache, metadata: NVFP4AttentionMetadata, scale: float,
                     k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor, *,
                     swizzle_v_scales: bool = False, workspace: DequantWorkspace | None = None,
                     sliding_window: int = 0, logits_soft_cap: float = 0.0,
@@ -136,14 +153,14 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4
     query_start, seq_lens = _check_batch(query, layout, metadata, out)
     max_query_len = metadata.max_query_len or max((e - s for s, e in zip(query_start, query_start[1:])), default=0)
     max_seq_len = metadata.max_seq_len or max(seq_lens, default=0)
-    kv_ops.nvfp4_paged_attention(query, kv_cache[:, 0], kv_cache[:, 1], metadata.block_table,
+    kv_ops.nvfp4_paged_attention(query, *cache_sides(kv_cache), metadata.block_table,
                                  metadata.query_start_loc, metadata.seq_lens, k_scale, v_scale, scale,
                                  metadata.causal, swizzle_v_scales, max_query_len, max_seq_len, out, sliding_window,
                                  logits_soft_cap, sinks)
     return out
 
 
-def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, metadata: NVFP4AttentionMetadata,
+def paged_attention_reference(query: torch.Tensor, kv_cache: KVCache, metadata: NVFP4AttentionMetadata,
                               scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor, out: torch.Tensor, *,
                               swizzle_v_scales: bool = False,
                               workspace: DequantWorkspace | None = None) -> torch.Tensor:
@@ -156,7 +173,7 @@ def paged_attention_reference(query: torch.Tensor, kv_cache: torch.Tensor, metad
     workspace = workspace or DequantWorkspace()
     key, value = workspace.get(context_start[-1], layout.num_heads, layout.head_size, query.device)
     cu_seq_lens = torch.tensor(context_start, dtype=torch.int32).to(query.device)
-    kv_ops.gather_nvfp4_kv_cache(kv_cache[:, 0], kv_cache[:, 1], metadata.block_table, cu_seq_lens,
+    kv_ops.gather_nvfp4_kv_cache(*cache_sides(kv_cache), metadata.block_table, cu_seq_lens,
                                  k_scale, v_scale, swizzle_v_scales, key, value)
 
     for r in range(metadata.num_reqs):

@@ -7,9 +7,8 @@ from collections.abc import Collection
 import torch
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
-from .. import ops as kv_ops
 from ..kv_calibration import KVCalibration, LayerPolicy, load
-from ..attention import NVFP4AttentionMetadata, cache_layout, check_supported, store_kv
+from ..attention import NVFP4AttentionMetadata, check_supported, store_kv
 from .spec import NVFP4_4OVER6_KV_CACHE_DTYPE, check_nvfp4_kv_cache_dtype
 
 
@@ -44,16 +43,11 @@ def check_nvfp4_layer(kv_cache_dtype: str, attn_type: str, head_size: int, num_h
                     supported_features=supported_features)
 
 
-def store_nvfp4_kv(kv_cache_dtype: str, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slot_mapping: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                   swizzle_v_scales: bool = False) -> None:
+def store_nvfp4_kv(kv_cache_dtype: str, key: torch.Tensor, value: torch.Tensor, kv_cache, slot_mapping: torch.Tensor,
+                   k_scale: torch.Tensor, v_scale: torch.Tensor, swizzle_v_scales: bool = False) -> None:
     """The core's store for `kv_cache_dtype`: "nvfp4_4over6" differs from "nvfp4" in the store op only."""
-    if kv_cache_dtype != NVFP4_4OVER6_KV_CACHE_DTYPE:
-        store_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale, swizzle_v_scales)
-        return
-    cache_layout(kv_cache, swizzle_v_scales)  # raises naming the rule a malformed cache breaks
-    kv_ops.reshape_and_cache_nvfp4_4over6(key, value, kv_cache[:, 0], kv_cache[:, 1], slot_mapping, k_scale, v_scale,
-                                          swizzle_v_scales)
+    store_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale, swizzle_v_scales,
+             four_over_six=kv_cache_dtype == NVFP4_4OVER6_KV_CACHE_DTYPE)
 
 
 # The plugin's options in vLLM's `additional_config` (`--additional-config '{"vllm_nvfp4_plugin": {...}}'`).
