@@ -81,6 +81,47 @@ def test_page_view_of_vllm_allocation(layout_kind):
     assert not raw_bytes[~touched].any(), "bytes outside the stored entries changed"
 
 
+@pytest.mark.parametrize("layout_kind", HND_LAYOUTS + NHD_LAYOUTS, ids=lambda k: k.name)
+def test_fp8_key_page_view_of_vllm_allocation(layout_kind):
+    """The FP8-key page in views vLLM builds: FP8 keys then NVFP4 values at the layout's offsets, nothing else."""
+    num_blocks, num_layers, head_size, kv_heads, block_size = 5, 2, 128, 2, 16
+    spec = customize_nvfp4_spec(nvfp4_spec(head_size, kv_heads, block_size), fp8_keys=True)
+    layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd=layout_kind in HND_LAYOUTS, fp8_keys=True)
+    assert spec.page_size_bytes == layout.page_bytes == block_size * kv_heads * (128 + 72)
+    page = spec.page_size_bytes
+    layer_outer = layout_kind.is_layer_compact
+    tensor = KVCacheTensor(size=page * num_blocks * num_layers, layers=["l0", "l1"],
+                           layer_stride=page * num_blocks if layer_outer else page,
+                           block_stride=page if layer_outer else page * num_layers)
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    views = create_kv_cache_views(raw, spec, num_blocks, layout_kind, tensor)
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(5, kv_heads, head_size, generator=gen).to(torch.bfloat16)
+    v = torch.randn(5, kv_heads, head_size, generator=gen).to(torch.bfloat16)
+    slots = torch.tensor([0, 15, 16, 40, 79])
+    key_cache, value_cache = page_view(views[1].view(torch.uint8), kv_heads)
+    assert NVFP4PageLayout.from_caches(key_cache, value_cache) == layout
+    store_kv(k, v, (key_cache, value_cache), slots, torch.tensor(0.5), torch.tensor(2.0))
+
+    raw_bytes = raw.view(torch.uint8)
+    touched = torch.zeros_like(raw_bytes, dtype=torch.bool)
+    for i, slot in enumerate(slots.tolist()):
+        block, t = divmod(slot, block_size)
+        page_start = tensor.layer_stride * 1 + tensor.block_stride * block
+        packed, sf = reference.nvfp4_encode(v[i], 2.0)
+        fp8 = reference.fp8_key_encode(k[i], 0.5)
+        for h in range(kv_heads):
+            key = page_start + layout.fp8_key_offset(t, h)
+            d = page_start + layout.key_side_bytes + layout.data_offset(t, h)
+            s = page_start + layout.key_side_bytes + layout.scale_offset(t, h, 0)
+            assert torch.equal(raw_bytes[key:key + head_size], fp8[h])
+            assert torch.equal(raw_bytes[d:d + layout.data_dim], packed[h])
+            assert torch.equal(raw_bytes[s:s + layout.scale_dim], sf[h].view(torch.uint8))
+            for start, n in ((key, head_size), (d, layout.data_dim), (s, layout.scale_dim)):
+                touched[start:start + n] = True
+    assert not raw_bytes[~touched].any(), "bytes outside the stored entries changed"
+
+
 def test_page_view_rejects_other_layouts_and_shapes():
     num_blocks, slots, block_size, full_dim = 4, 4, 32, 36
     # Head slots outermost (as LHBNC lays them out): a block's page is not one run of bytes.

@@ -1,7 +1,9 @@
 """Per-layer KV-cache policy of an NVFP4 cache: the file `python -m vllm_nvfp4_plugin.tools.calibrate` writes and
 the engine loads (vLLM-free; the adapters apply it).
 
-Every layer keeps the NVFP4 page (so the capacity is the NVFP4 capacity whatever the policy says) and picks:
+The key format is the model's: "nvfp4" (the NVFP4 page) or "fp8" (FP8 E4M3 keys, NVFP4 values: a page 25/18 the
+size). vLLM sizes every layer's page from one backend-wide spec hook that does not see the layer, so a model's layers
+share one key format. Every layer then picks:
 - its store rule: "nvfp4" (block scale max/6) or "nvfp4_4over6" (max/6 or max/4, whichever errs less);
 - optionally per-channel key smoothing: keys are stored as k / s and queries multiplied by s before attention,
   so q·k is unchanged in exact arithmetic. s is a power of two per (KV head, channel), so k / s and q · s are exact
@@ -10,7 +12,7 @@ Every layer keeps the NVFP4 page (so the capacity is the NVFP4 capacity whatever
   their common envelope is a property of the channel pair.
 
 File (JSON): {"format": FORMAT, "model": str, "num_layers": L, "num_kv_heads": H, "head_size": D,
-"layers": [{"layer": i, "mode": "nvfp4" | "nvfp4_4over6", "key_scales": [[D floats] * H] | null}, ...]} with
+"key_format": "nvfp4" | "fp8" (optional, default "nvfp4"), "layers": [{"layer": i, "mode": "nvfp4" | "nvfp4_4over6", "key_scales": [[D floats] * H] | null}, ...]} with
 exactly one entry per layer 0..L-1; other keys (the calibration's statistics) are kept but not read.
 """
 
@@ -24,6 +26,7 @@ import torch
 
 FORMAT = "vllm_nvfp4_plugin.kv_calibration/1"
 LAYER_MODES = ("nvfp4", "nvfp4_4over6")
+KEY_FORMATS = ("nvfp4", "fp8")
 
 
 class CalibrationError(ValueError):
@@ -42,6 +45,7 @@ class KVCalibration:
     num_kv_heads: int
     head_size: int
     layers: tuple[LayerPolicy, ...]
+    key_format: str = "nvfp4"
 
     @property
     def num_layers(self) -> int:
@@ -70,7 +74,8 @@ def rope_pair_power_of_two_scales(channel_amax: torch.Tensor, reference: torch.T
     return torch.cat([scales, scales], dim=-1).float()
 
 
-def save(path: str | Path, model: str, num_kv_heads: int, head_size: int, layers: list[dict]) -> None:
+def save(path: str | Path, model: str, num_kv_heads: int, head_size: int, layers: list[dict],
+         key_format: str = "nvfp4") -> None:
     """Write a calibration file; `layers[i]` holds "mode", "key_scales" (tensor or None) and any statistics."""
     rows = []
     for i, layer in enumerate(layers):
@@ -78,7 +83,8 @@ def save(path: str | Path, model: str, num_kv_heads: int, head_size: int, layers
         rows.append({**layer, "layer": i,
                      "key_scales": None if scales is None else torch.as_tensor(scales).tolist()})
     Path(path).write_text(json.dumps({"format": FORMAT, "model": model, "num_layers": len(rows),
-                                      "num_kv_heads": num_kv_heads, "head_size": head_size, "layers": rows}))
+                                      "num_kv_heads": num_kv_heads, "head_size": head_size,
+                                      "key_format": key_format, "layers": rows}))
 
 
 def load(path: str | Path) -> KVCalibration:
@@ -94,6 +100,9 @@ def load(path: str | Path) -> KVCalibration:
         if not isinstance(data.get(key), int) or data[key] <= 0:
             raise CalibrationError(f"{source}: {key} must be a positive integer, got {data.get(key)!r}")
     num_layers, heads, head_size = data["num_layers"], data["num_kv_heads"], data["head_size"]
+    key_format = data.get("key_format", "nvfp4")
+    if key_format not in KEY_FORMATS:
+        raise CalibrationError(f"{source}: key_format must be one of {KEY_FORMATS}, got {key_format!r}")
     rows = data.get("layers")
     if not isinstance(rows, list):
         raise CalibrationError(f"{source}: layers must be a list of {num_layers} layer entries")
@@ -141,5 +150,5 @@ def load(path: str | Path) -> KVCalibration:
                                        f"(channel c and c + {half})")
             scales = scales.float()
         policies.append(LayerPolicy(mode, scales))
-    return KVCalibration(str(data.get("model", "")), heads, head_size, tuple(policies))
+    return KVCalibration(str(data.get("model", "")), heads, head_size, tuple(policies), key_format)
 

@@ -7,7 +7,7 @@ from collections.abc import Collection
 import torch
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
-from ..kv_calibration import KVCalibration, LayerPolicy, load
+from ..kv_calibration import KEY_FORMATS, KVCalibration, LayerPolicy, load
 from ..attention import NVFP4AttentionMetadata, check_supported, store_kv
 from .spec import NVFP4_4OVER6_KV_CACHE_DTYPE, check_nvfp4_kv_cache_dtype
 
@@ -53,7 +53,36 @@ def store_nvfp4_kv(kv_cache_dtype: str, key: torch.Tensor, value: torch.Tensor, 
 # The plugin's options in vLLM's `additional_config` (`--additional-config '{"vllm_nvfp4_plugin": {...}}'`).
 ADDITIONAL_CONFIG_KEY = "vllm_nvfp4_plugin"
 KV_CALIBRATION_OPTION = "kv_calibration"
+KEY_FORMAT_OPTION = "key_format"  # "nvfp4" (default) or "fp8": FP8 E4M3 keys, NVFP4 values
 _CALIBRATIONS: dict[str, KVCalibration] = {}
+_ENGINE_FP8_KEYS = False  # the key format last seen with an engine's config (see engine_fp8_keys)
+
+
+def _plugin_options(config) -> dict:
+    return ((config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}) if config is not None else {}
+
+
+def engine_fp8_keys() -> bool:
+    """Whether the engine's NVFP4 cache keeps FP8 keys: its `key_format` option, else its calibration file's. Read
+    while the engine's config is current (model construction builds every layer's impl, which calls this) and
+    remembered for vLLM's spec hook (`customize_spec`), which runs later and without the config."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    global _ENGINE_FP8_KEYS
+    config = get_current_vllm_config_or_none()
+    if config is None or config.model_config is None:
+        return _ENGINE_FP8_KEYS
+    option = _plugin_options(config).get(KEY_FORMAT_OPTION)
+    if option is not None and option not in KEY_FORMATS:
+        raise ValueError(f"additional_config {ADDITIONAL_CONFIG_KEY}.{KEY_FORMAT_OPTION} must be one of "
+                         f"{KEY_FORMATS}, got {option!r}")
+    calibration = engine_kv_calibration()
+    if option is not None and calibration is not None and calibration.key_format != option:
+        raise ValueError(f"additional_config {ADDITIONAL_CONFIG_KEY}.{KEY_FORMAT_OPTION} is {option!r} but the KV "
+                         f"calibration file says key_format {calibration.key_format!r}")
+    key_format = option or (calibration.key_format if calibration is not None else "nvfp4")
+    _ENGINE_FP8_KEYS = key_format == "fp8"
+    return _ENGINE_FP8_KEYS
 
 
 def engine_kv_calibration() -> KVCalibration | None:
@@ -62,8 +91,7 @@ def engine_kv_calibration() -> KVCalibration | None:
     from vllm.config import get_current_vllm_config_or_none
 
     config = get_current_vllm_config_or_none()
-    options = (config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) if config is not None else None
-    path = (options or {}).get(KV_CALIBRATION_OPTION)
+    path = _plugin_options(config).get(KV_CALIBRATION_OPTION)
     if path is None:
         return None
     if path not in _CALIBRATIONS:

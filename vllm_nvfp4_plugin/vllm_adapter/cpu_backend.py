@@ -19,7 +19,8 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..attention import MODEL_FEATURES, DequantWorkspace, NVFP4AttentionMetadata, paged_attention
-from .common import LayerKVPolicy, LayerPolicyOwner, check_nvfp4_layer, core_metadata, engine_kv_calibration
+from .common import (LayerKVPolicy, LayerPolicyOwner, check_nvfp4_layer, core_metadata, engine_fp8_keys,
+                     engine_kv_calibration)
 from .spec import NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
 
 logger = init_logger("vllm.nvfp4_plugin.cpu")
@@ -56,7 +57,7 @@ class NVFP4CPUAttentionBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        return customize_nvfp4_spec(super().customize_spec(spec))
+        return customize_nvfp4_spec(super().customize_spec(spec), engine_fp8_keys())
 
     @staticmethod
     def get_impl_cls() -> type["NVFP4CPUAttentionImpl"]:
@@ -96,8 +97,9 @@ class NVFP4CPUAttentionImpl(LayerPolicyOwner, CPUAttentionBackendImpl):
                           alibi_slopes=self.alibi_slopes, sinks=self.sinks, supported_features=MODEL_FEATURES)
         self.calibration = engine_kv_calibration()  # raises here, at engine start, on a file that does not fit
         self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
-        logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CPU (head size %d, %d query / %d KV heads)",
-                         self.head_size, self.num_heads, self.num_kv_heads)
+        keys = "FP8 E4M3" if engine_fp8_keys() else "NVFP4"
+        logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CPU, %s keys (head size %d, %d query / %d "
+                         "KV heads)", keys, self.head_size, self.num_heads, self.num_kv_heads)
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -44,7 +44,7 @@ from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaB
                                            plan_batch, plan_kernel_batch)
 from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
 from .common import (LayerKVPolicy, LayerPolicyOwner, check_nvfp4_layer, core_metadata, current_max_model_len,
-                     effective_sliding_window, engine_kv_calibration)
+                     effective_sliding_window, engine_fp8_keys, engine_kv_calibration)
 
 logger = init_logger("vllm.nvfp4_plugin.cuda")
 
@@ -122,7 +122,7 @@ class NVFP4CudaBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        return customize_nvfp4_spec(spec)
+        return customize_nvfp4_spec(spec, engine_fp8_keys())
 
 
 def shared_decode_params(vllm_config: VllmConfig, layer_names: list[str]) -> tuple[int, torch.dtype, float] | None:
@@ -243,6 +243,9 @@ class NVFP4CudaImpl(LayerPolicyOwner, AttentionImpl[CudaBatch | KernelBatch | NV
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.calibration = engine_kv_calibration()  # raises here, at engine start, on a file that does not fit
+        if engine_fp8_keys():
+            raise NotImplementedError("vllm_nvfp4_plugin: FP8 E4M3 keys (key_format 'fp8') are served by the CPU "
+                                      "backend only; on CUDA use NVFP4 keys")
         self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
         logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CUDA (head size %d, %d query / %d KV heads)",
                          head_size, num_heads, num_kv_heads)

@@ -5,6 +5,8 @@ of it (H head slots, N = block_size, C bytes), in the physical order of the reso
 For NVFP4 the backend publishes H = 2·num_kv_heads and C = head/2 + head/16 (`customize_nvfp4_spec`),
 so a page has exactly the bytes of `NVFP4PageLayout.page_bytes`; `page_view` then reads those bytes as
 `[K side | V side]`, each `[DATA | SCALES]`, token-major (NHD) or head-major (HND) as the layout says.
+With FP8 keys the sides differ in size: H = num_kv_heads and C = head + head/2 + head/16 (K's FP8 bytes and V's
+NVFP4 bytes of one token and head), and `page_view` returns the (key_cache, value_cache) pair over the same bytes.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def check_nvfp4_kv_cache_dtype(kv_cache_dtype: str) -> None:
                                   f"use one of {NVFP4_KV_CACHE_DTYPES}")
 
 
-def customize_nvfp4_spec(spec: AttentionSpec) -> AttentionSpec:
-    """`spec` with the NVFP4 page packing; specs of other dtypes (or already packed) come back unchanged."""
+def customize_nvfp4_spec(spec: AttentionSpec, fp8_keys: bool = False) -> AttentionSpec:
+    """`spec` with the NVFP4 page packing (FP8 keys: the fp8_keys page); specs of other dtypes (or already packed)
+    come back unchanged."""
     if not spec.kv_quant_mode.is_nvfp4 or spec.state_content_bytes is not None:
         return spec
     if spec.head_size_v != spec.head_size:
@@ -44,13 +47,18 @@ def customize_nvfp4_spec(spec: AttentionSpec) -> AttentionSpec:
         raise ValueError(f"NVFP4 KV cache supports head_size in {SUPPORTED_HEAD_SIZES}, got {spec.head_size}")
     if spec.dtype.itemsize != 1:
         raise ValueError(f"NVFP4 KV cache spec must have a 1-byte dtype (uint8), got {spec.dtype}")
-    full_dim = NVFP4PageLayout(spec.head_size, spec.block_size, spec.num_kv_heads).full_dim
-    return replace(spec, num_head_slots=2 * spec.num_kv_heads, state_content_bytes=full_dim)
+    layout = NVFP4PageLayout(spec.head_size, spec.block_size, spec.num_kv_heads, fp8_keys=fp8_keys)
+    if fp8_keys:
+        return replace(spec, num_head_slots=spec.num_kv_heads, state_content_bytes=layout.key_dim + layout.full_dim)
+    return replace(spec, num_head_slots=2 * spec.num_kv_heads, state_content_bytes=layout.full_dim)
 
 
-def page_view(kv_cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+def page_view(kv_cache: torch.Tensor, num_kv_heads: int):
     """vLLM's layer view `[num_blocks, 2·num_kv_heads, block_size, full_dim]` (NHD or HND layouts above) as
-    the `[num_blocks, 2, block_size, num_kv_heads, full_dim]` cache of docs/FORMATS.md, over the same bytes."""
+    the `[num_blocks, 2, block_size, num_kv_heads, full_dim]` cache of docs/FORMATS.md, over the same bytes; an FP8-key
+    view `[num_blocks, num_kv_heads, block_size, head + full_dim]` as its (key_cache, value_cache) pair."""
+    if kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4 and kv_cache.size(1) == num_kv_heads:
+        return _fp8_key_sides(kv_cache, num_kv_heads)
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4 or kv_cache.size(1) != 2 * num_kv_heads:
         raise ValueError(f"NVFP4 kv_cache must be uint8 [num_blocks, 2*num_kv_heads={2 * num_kv_heads}, block_size, "
                          f"full_dim], got {kv_cache.dtype} of shape {tuple(kv_cache.shape)}")
@@ -66,3 +74,16 @@ def page_view(kv_cache: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     side_bytes = num_kv_heads * block_size * full_dim
     return kv_cache.as_strided((num_blocks, 2, block_size, num_kv_heads, full_dim),
                                (strides[0], side_bytes, token_stride, head_stride, 1), kv_cache.storage_offset())
+
+
+def _fp8_key_sides(kv_cache: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    num_blocks, _, block_size, entry = kv_cache.shape
+    head_size, rem = divmod(entry * 16, 25)  # entry = head + head/2 + head/16
+    strides = kv_cache.stride()
+    hnd = strides[1:] == (block_size * entry, entry, 1)
+    if rem or not (hnd or strides[1:] == (entry, num_kv_heads * entry, 1)):
+        raise ValueError(f"FP8-key kv_cache pages must be dense [H, N, C] (HND) or [N, H, C] (NHD) with C = head_size "
+                         f"* 25/16, got shape {tuple(kv_cache.shape)} and strides {strides}")
+    layout = NVFP4PageLayout(head_size, block_size, num_kv_heads, hnd, fp8_keys=True)
+    pages = kv_cache.as_strided((num_blocks, layout.page_bytes), (strides[0], 1), kv_cache.storage_offset())
+    return layout.side_views(pages)
