@@ -51,6 +51,7 @@ def set_scale(value):
     (set_scale(-2.0), r"key_scales\[0\]\[3\] = -2.0 is not a positive finite"),
     (set_scale(3.0), "powers of two"),
     (lambda d: d["layers"][0]["key_scales"].pop(), r"key_scales must have shape \[2, 64\]"),
+    (lambda d: d.__setitem__("key_format", "int8"), r"key_format must be one of \('nvfp4', 'fp8'\)"),
 ])
 def test_bad_files_are_refused_naming_the_file_and_rule(tmp_path, edit, message):
     path = write(tmp_path, edit)
@@ -165,6 +166,38 @@ def test_engine_serves_nvfp4_4over6(tiny):
 
 
 @pytest.mark.e2e
+def test_engine_serves_fp8_keys(tiny, tmp_path):
+    """key_format "fp8" (the option, or a calibration file's): FP8 E4M3 keys and NVFP4 values, in a page of
+    64 + 36 bytes per token and head where NVFP4 takes 36 + 36, and every token generated."""
+    nvfp4 = run_job(generation_job(tiny, kv_cache_dtype="nvfp4"), engine_env(), timeout=600)
+    fp8 = run_job(generation_job(tiny, kv_cache_dtype="nvfp4",
+                                 additional_config={"vllm_nvfp4_plugin": {"key_format": "fp8"}}), engine_env(),
+                  timeout=600)
+    assert "FP8 E4M3 keys" in fp8["log"]
+    assert fp8["kv_tokens"] / nvfp4["kv_tokens"] == pytest.approx(72 / 100, rel=0.02)
+    assert all(len(o["token_ids"]) == 8 for o in fp8["outputs"])
+    path = tmp_path / "fp8.json"
+    kv_calibration.save(path, "tiny", 2, 64, [{"mode": "nvfp4", "key_scales": None}] * 2, key_format="fp8")
+    from_file = run_job(generation_job(tiny, kv_cache_dtype="nvfp4", additional_config={
+        "vllm_nvfp4_plugin": {"kv_calibration": str(path)}}), engine_env(), timeout=600)
+    assert [o["token_ids"] for o in from_file["outputs"]] == [o["token_ids"] for o in fp8["outputs"]]
+    assert from_file["kv_tokens"] == fp8["kv_tokens"]
+
+
+@pytest.mark.e2e
+def test_engine_refuses_a_key_format_conflict(tiny, tmp_path):
+    path = tmp_path / "fp8.json"
+    kv_calibration.save(path, "tiny", 2, 64, [{"mode": "nvfp4", "key_scales": None}] * 2, key_format="fp8")
+    job = generation_job(tiny, kv_cache_dtype="nvfp4", additional_config={
+        "vllm_nvfp4_plugin": {"kv_calibration": str(path), "key_format": "nvfp4"}})
+    with pytest.raises(RuntimeError, match="key_format is 'nvfp4' but the KV calibration file says key_format 'fp8'"):
+        run_job(job, engine_env(), timeout=600)
+    job = generation_job(tiny, kv_cache_dtype="nvfp4", additional_config={"vllm_nvfp4_plugin": {"key_format": "fp4"}})
+    with pytest.raises(RuntimeError, match=r"vllm_nvfp4_plugin.key_format must be one of \('nvfp4', 'fp8'\)"):
+        run_job(job, engine_env(), timeout=600)
+
+
+@pytest.mark.e2e
 def test_calibrate_tool_writes_policies_the_engine_loads(tiny, tmp_path):
     """The tool's statistics engine, candidate search and files, on the tiny model (fidelity runs skipped)."""
     import subprocess
@@ -178,16 +211,19 @@ def test_calibrate_tool_writes_policies_the_engine_loads(tiny, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert [layer["layer"] for layer in report["layers"]] == [0, 1]
     assert report["modes"][1]["capacity_ratio"] == pytest.approx(4 * 64 / 72, rel=0.02)  # NVFP4 page vs bf16
-    for name in ("nvfp4_smooth", "auto"):
+    for name in ("nvfp4_smooth", "nvfp4_auto", "fp8_keys", "auto"):
         calibration = kv_calibration.load(out / f"calibration_{name}.json")
         calibration.check_model(2, 2, 64, name)
+        assert calibration.key_format == ("fp8" if name == "fp8_keys" else "nvfp4")  # auto: NVFP4 without fidelity
+    assert report["auto"] == "nvfp4 auto"
     assert "| layer |" in (out / "report.md").read_text()
 
 
 @pytest.mark.e2e
-def test_auto_policy_beats_plain_nvfp4_on_smollm2(tmp_path):
-    """The fidelity ordering on a real model: SmolLM2's calibrated per-layer policy is closer to the bf16 cache
-    than plain NVFP4 (measured on 20 questions, 405 positions: mean KL 0.051 vs 0.083, PPL +5.3% vs +7.8%)."""
+def test_auto_policy_takes_fp8_keys_on_smollm2(tmp_path):
+    """On a real model whose NVFP4 keys cost too much, auto takes the FP8-key page: SmolLM2's NVFP4-page policies
+    all raise the perplexity by more than 1% (20 questions, 405 positions: nvfp4 auto +7.1%), FP8 keys stay closer
+    to the bf16 cache than any of them (mean KL 0.016 vs 0.064 for nvfp4 auto) at 2.64x bf16's capacity."""
     import subprocess
     import sys
 
@@ -196,6 +232,12 @@ def test_auto_policy_beats_plain_nvfp4_on_smollm2(tmp_path):
                            str(out), "--calibration-prompts", "8", "--eval-prompts", "10"],
                           env=engine_env(), capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    modes = {row["mode"]: row for row in json.loads((out / "report.json").read_text())["modes"]}
-    assert modes["auto"]["mean_kl"] < modes["nvfp4"]["mean_kl"]
-    assert modes["auto"]["perplexity"] < modes["nvfp4"]["perplexity"]
+    report = json.loads((out / "report.json").read_text())
+    modes = {row["mode"]: row for row in report["modes"]}
+    assert report["auto"] == "fp8 keys"
+    assert kv_calibration.load(out / "calibration_auto.json").key_format == "fp8"
+    assert modes["nvfp4 auto"]["ppl_increase"] > 0.01
+    for name in ("nvfp4", "nvfp4 auto"):
+        assert modes["auto"]["mean_kl"] < modes[name]["mean_kl"]
+        assert modes["auto"]["perplexity"] < modes[name]["perplexity"]
+    assert modes["auto"]["capacity_ratio"] > 2.5

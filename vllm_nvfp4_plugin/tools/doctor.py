@@ -32,6 +32,7 @@ SEQ_LENS = (1, 17, 300)
 READ_BACK_TOLERANCE = 2e-2  # rel. L2 of bf16 attention vs float32 over the same dequantized values
 LOGITS_TOLERANCE = 1e-4  # of the largest |logit|: the kernels' float32 sums, in their own order, vs float64
 INDEXER_HEADS = 64
+FP8_KEYS_ON_CUDA = False  # the CUDA kernels refuse the FP8-key page
 
 
 @dataclass
@@ -48,54 +49,61 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().view(torch.uint8)
 
 
-def _layout_name(side_cache: torch.Tensor) -> str:
-    return "HND" if NVFP4PageLayout.from_side_cache(side_cache).hnd else "NHD"
+def _layout_name(w: dict) -> str:
+    """The layout detected from the caches' strides and shapes (a cache read with the wrong one is garbage)."""
+    layout = NVFP4PageLayout.from_caches(*w["sides"])
+    return ("HND" if layout.hnd else "NHD") + (", FP8 keys" if layout.fp8_keys else "")
 
 
 def _order(swizzle: bool) -> str:
     return "swizzled" if swizzle else "linear"
 
 
-def _written_cache(device, hnd: bool, swizzle: bool, gen: torch.Generator):
-    """A cache holding SEQ_LENS tokens (shuffled blocks) written by the plugin's store on `device`, with its inputs
-    and one decode query per sequence."""
-    layout = NVFP4PageLayout(HEAD_SIZE, BLOCK_SIZE, KV_HEADS, hnd, swizzle)
+def _written_cache(device, hnd: bool, swizzle: bool, gen: torch.Generator, fp8_keys: bool = False):
+    """A cache (its (key_cache, value_cache) pair) holding SEQ_LENS tokens (shuffled blocks) written by the plugin's
+    store on `device`, with its inputs and one decode query per sequence."""
+    layout = NVFP4PageLayout(HEAD_SIZE, BLOCK_SIZE, KV_HEADS, hnd, swizzle, fp8_keys)
     case = PagedCase([(1, n) for n in SEQ_LENS], layout, Q_HEADS, gen, k_scale=K_SCALE, v_scale=V_SCALE,
                      unused_entry=-1)
     key, value, slots = case.context_tokens()
     cu = torch.zeros(len(SEQ_LENS) + 1, dtype=torch.int32)
     cu[1:] = torch.tensor(SEQ_LENS).cumsum(0)
     slots[torch.randperm(len(slots), generator=gen)[:3]] = -1  # padding tokens: skipped
-    cache = layout.allocate(case.num_blocks, device, fill=0)
+    sides = layout.allocate_sides(case.num_blocks, device, fill=0)
     scales = torch.tensor([K_SCALE]), torch.tensor([V_SCALE])
-    ops.reshape_and_cache_nvfp4(key.to(device), value.to(device), cache[:, 0], cache[:, 1], slots.to(device),
+    ops.reshape_and_cache_nvfp4(key.to(device), value.to(device), *sides, slots.to(device),
                                 scales[0].to(device), scales[1].to(device), swizzle)
-    return dict(layout=layout, cache=cache, table=case.block_table, cu=cu, key=key, value=value, slots=slots,
+    return dict(layout=layout, sides=sides, table=case.block_table, cu=cu, key=key, value=value, slots=slots,
                 scales=scales, q=torch.cat(case.q))
 
 
-def check_store(device, hnd: bool, swizzle: bool, gen: torch.Generator) -> Row:
-    w = _written_cache(device, hnd, swizzle, gen)
-    expected = w["layout"].allocate(w["cache"].size(0), "cpu", fill=0)
-    reference.reshape_and_cache_nvfp4(w["key"], w["value"], expected[:, 0], expected[:, 1], w["slots"],
-                                      *w["scales"], swizzle)
-    differing = int((_bits(w["cache"]) != _bits(expected)).sum())
-    return Row(str(device), "reshape_and_cache_nvfp4 == reference", _layout_name(w["cache"][:, 0]), _order(swizzle),
-               differing == 0, f"{differing} of {expected.numel()} bytes differ")
+def _cpu_sides(w: dict):
+    """The written cache's pages copied to the CPU, as a (key_cache, value_cache) pair."""
+    layout, key_cache = w["layout"], w["sides"][0]
+    pages = key_cache.as_strided((key_cache.size(0), layout.page_bytes), (key_cache.stride(0), 1)).cpu()
+    return layout.side_views(pages)
 
 
-def check_gather(device, hnd: bool, swizzle: bool, gen: torch.Generator) -> Row:
-    w = _written_cache(device, hnd, swizzle, gen)
-    cache, total = w["cache"], int(w["cu"][-1])
+def check_store(device, hnd: bool, swizzle: bool, gen: torch.Generator, fp8_keys: bool = False) -> Row:
+    w = _written_cache(device, hnd, swizzle, gen, fp8_keys)
+    expected = w["layout"].allocate_sides(w["sides"][0].size(0), "cpu", fill=0)
+    reference.reshape_and_cache_nvfp4(w["key"], w["value"], *expected, w["slots"], *w["scales"], swizzle)
+    differing = sum(int((_bits(got) != _bits(want)).sum()) for got, want in zip(_cpu_sides(w), expected))
+    total = w["layout"].page_bytes * expected[0].size(0)
+    return Row(str(device), "reshape_and_cache_nvfp4 == reference", _layout_name(w), _order(swizzle),
+               differing == 0, f"{differing} of {total} bytes differ")
+
+
+def check_gather(device, hnd: bool, swizzle: bool, gen: torch.Generator, fp8_keys: bool = False) -> Row:
+    w = _written_cache(device, hnd, swizzle, gen, fp8_keys)
+    total = int(w["cu"][-1])
     outs = [torch.full((total + 4, KV_HEADS, HEAD_SIZE), 7.0, dtype=torch.bfloat16, device=device) for _ in range(2)]
-    ops.gather_nvfp4_kv_cache(cache[:, 0], cache[:, 1], w["table"].to(device), w["cu"].to(device),
+    ops.gather_nvfp4_kv_cache(*w["sides"], w["table"].to(device), w["cu"].to(device),
                               w["scales"][0].to(device), w["scales"][1].to(device), swizzle, *outs)
-    cpu_cache = cache.cpu()
     expected = [torch.full_like(o, 7.0, device="cpu") for o in outs]
-    reference.gather_nvfp4_kv_cache(cpu_cache[:, 0], cpu_cache[:, 1], w["table"], w["cu"], *w["scales"], swizzle,
-                                    *expected)
+    reference.gather_nvfp4_kv_cache(*_cpu_sides(w), w["table"], w["cu"], *w["scales"], swizzle, *expected)
     differing = sum(int((_bits(o) != _bits(e)).sum()) for o, e in zip(outs, expected))
-    return Row(str(device), "gather_nvfp4_kv_cache == reference", _layout_name(cache[:, 0]), _order(swizzle),
+    return Row(str(device), "gather_nvfp4_kv_cache == reference", _layout_name(w), _order(swizzle),
                differing == 0, f"{differing} output bytes differ")
 
 
@@ -196,11 +204,11 @@ READER = "plugin paged attention"
 
 def _read_attention(device, w: dict, q: torch.Tensor, swizzle_read: bool) -> torch.Tensor:
     """Decode attention of `q` `[batch, q_heads, d]` over the cache through `nvfp4_paged_attention` on `device`."""
-    cache, table = w["cache"], w["table"].to(device)
+    table = w["table"].to(device)
     query_start_loc = torch.arange(len(SEQ_LENS) + 1, dtype=torch.int32, device=device)
     seq_lens = torch.tensor(SEQ_LENS, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
-    ops.nvfp4_paged_attention(q, cache[:, 0], cache[:, 1], table, query_start_loc, seq_lens,
+    ops.nvfp4_paged_attention(q, *w["sides"], table, query_start_loc, seq_lens,
                               w["scales"][0].to(device), w["scales"][1].to(device), 1 / math.sqrt(HEAD_SIZE), True,
                               swizzle_read, 1, max(SEQ_LENS), out)
     return out.float().cpu()
@@ -208,31 +216,32 @@ def _read_attention(device, w: dict, q: torch.Tensor, swizzle_read: bool) -> tor
 
 def _exact_read_back(w: dict, q: torch.Tensor, swizzle: bool) -> torch.Tensor:
     """Float32 attention over the cache as the reference dequantizes it (with the order it was written in)."""
-    cache, cu = w["cache"].cpu(), w["cu"]
+    cu = w["cu"]
     total = int(cu[-1])
     k, v = torch.empty(total, KV_HEADS, HEAD_SIZE), torch.empty(total, KV_HEADS, HEAD_SIZE)
-    reference.gather_nvfp4_kv_cache(cache[:, 0], cache[:, 1], w["table"], cu, *w["scales"], swizzle, k, v)
+    reference.gather_nvfp4_kv_cache(*_cpu_sides(w), w["table"], cu, *w["scales"], swizzle, k, v)
     return torch.stack([_exact_attention(q[b].cpu(), k[cu[b]:cu[b + 1]], v[cu[b]:cu[b + 1]])
                         for b in range(len(SEQ_LENS))])
 
 
-def check_read_back(device, hnd: bool, gen: torch.Generator, written_swizzled: bool = False) -> Row:
+def check_read_back(device, hnd: bool, gen: torch.Generator, written_swizzled: bool = False,
+                    fp8_keys: bool = False) -> Row:
     """Store with the plugin, decode through the backend's reader (linear V scales), compare with exact attention.
 
     With `written_swizzled` the cache is written in trtllm-gen's V-scale order instead: the linear reader must
     then be off by far more than the tolerance, or the check could not catch a V-scale order mix-up.
     """
-    w = _written_cache(device, hnd, written_swizzled, gen)
+    w = _written_cache(device, hnd, written_swizzled, gen, fp8_keys)
     q = w["q"].to(device)
     got = _read_attention(device, w, q, SWIZZLE_V_SCALES)
     exact = _exact_read_back(w, q, written_swizzled)
     rel_l2 = ((got - exact).norm() / exact.norm()).item()
     reader = READER
     if written_swizzled:
-        return Row(str(device), f"{reader} misreads a swizzled-V cache", _layout_name(w["cache"][:, 0]),
+        return Row(str(device), f"{reader} misreads a swizzled-V cache", _layout_name(w),
                    "swizzled→linear", rel_l2 > 10 * READ_BACK_TOLERANCE,
                    f"rel. L2 {rel_l2:.3g} (must exceed {10 * READ_BACK_TOLERANCE:g})")
-    return Row(str(device), f"store → {reader} == exact attention", _layout_name(w["cache"][:, 0]),
+    return Row(str(device), f"store → {reader} == exact attention", _layout_name(w),
                _order(SWIZZLE_V_SCALES), math.isfinite(rel_l2) and rel_l2 <= READ_BACK_TOLERANCE,
                f"rel. L2 {rel_l2:.2e} (tolerance {READ_BACK_TOLERANCE:g})")
 
@@ -250,6 +259,11 @@ def run_checks(device) -> list[Row]:
                ("indexer_paged_mqa_logits", check_indexer_paged_logits, (device, gen))]
     checks += [("read-back", check_read_back, (device, hnd, gen)) for hnd in (False, True)]
     checks.append(("swizzled-V read-back", check_read_back, (device, False, gen, True)))
+    if device == "cpu" or FP8_KEYS_ON_CUDA:  # the FP8-key page (docs/FORMATS.md §1)
+        for hnd in (False, True):
+            checks += [("reshape_and_cache_nvfp4, FP8 keys", check_store, (device, hnd, hnd, gen, True)),
+                       ("gather_nvfp4_kv_cache, FP8 keys", check_gather, (device, hnd, hnd, gen, True)),
+                       ("read-back, FP8 keys", check_read_back, (device, hnd, gen, False, True))]
     rows = []
     for name, check, check_args in checks:
         try:
