@@ -194,8 +194,20 @@ def test_fp8_key_layout_bad_input():
 
 
 @pytest.mark.gpu
-def test_fp8_keys_are_refused_on_cuda():
-    args = nvfp4_store_inputs(fp8_key_case(seed=1), "cuda")
-    args.pop("buffer")
-    with pytest.raises(RuntimeError, match="reshape_and_cache_nvfp4: key_cache: FP8 E4M3 keys are served on CPU only"):
-        ops.reshape_and_cache_nvfp4(**args)
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+@pytest.mark.parametrize("swizzle", [False, True], ids=["linear", "swizzled"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_fp8_key_cuda_ops_match_reference(hnd, swizzle, dtype):
+    """The CUDA store (both value rules) and gather of an fp8_keys page, bit for bit; guard pages untouched."""
+    seed = 7 * hnd + 13 * swizzle + 31 * FLOAT_DTYPES.index(dtype)
+    for i, (op, ref_op) in enumerate(((ops.reshape_and_cache_nvfp4, reference.reshape_and_cache_nvfp4),
+                                      (ops.reshape_and_cache_nvfp4_4over6, reference.reshape_and_cache_nvfp4_4over6))):
+        case = fp8_key_case(64 * (1 + (seed + i) % 4) if (seed + i) % 4 != 2 else 128, hnd, swizzle, dtype, seed + i)
+        buffer, expected = store(case, "cuda", op, ref_op)
+        assert torch.equal(buffer, expected)
+    case = fp8_key_case((64, 128, 256)[seed % 3], hnd, swizzle, dtype, seed)
+    args, expected = nvfp4_gather_inputs(case, [50, 0, 17, 33], "cuda"), nvfp4_gather_inputs(case, [50, 0, 17, 33], "cpu")
+    ops.gather_nvfp4_kv_cache(**args)
+    reference.gather_nvfp4_kv_cache(**expected)
+    for name in ("out_key", "out_value"):
+        assert torch.equal(bits(args[name].cpu()), bits(expected[name]))

@@ -1,8 +1,9 @@
 """The CUDA `nvfp4_paged_attention` against the plain-torch oracle (fp32 attention over the dequantized cache).
 
-Every case: pages in shuffled order, unused page bytes 0xFF (NaN block scales, so a read past a request's length
-shows), garbage in unused block-table columns, output poisoned with NaN so unwritten rows show and rows past the
-batch's tokens must stay untouched. Accuracy: relative L2 error of the whole output ≤ 5e-3.
+Every case: pages in shuffled order, unused page bytes 0xFF (NaN block scales and NaN FP8 keys, so a read past a
+request's length shows), garbage in unused block-table columns, output poisoned with NaN so unwritten rows show and
+rows past the batch's tokens must stay untouched. Accuracy: relative L2 error of the whole output ≤ 5e-3. The
+fp8_keys cases run the same batches over FP8 E4M3 keys with NVFP4 values.
 """
 
 import math
@@ -24,18 +25,30 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class Batch:
-    """Requests `(query_len, context_len)` over one NVFP4 cache; K/V written by the CUDA store op."""
+    """Requests `(query_len, context_len)` over one NVFP4 cache; K/V written by the CUDA store op. `fp8_keys`: an
+    fp8_keys page; with `split_sides` its K and V sides are two allocations of different block strides."""
 
     def __init__(self, requests, *, head_size=128, kv_heads=2, group=4, block_size=16, hnd=False, swizzle=False,
-                 dtype=torch.bfloat16, causal=True, kv=None, seed=0, k_scale=0.75, v_scale=1.25, features=None):
+                 dtype=torch.bfloat16, causal=True, kv=None, seed=0, k_scale=0.75, v_scale=1.25, features=None,
+                 fp8_keys=False, split_sides=False):
         self.gen = torch.Generator().manual_seed(seed)
-        self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle)
+        self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle, fp8_keys)
         self.requests, self.causal, self.dtype = requests, causal, dtype
         self.features = dict(features or {})  # sliding_window, logits_soft_cap, sinks
         self.q_heads = kv_heads * group
         pages = [-(-c // block_size) for _, c in requests]
         num_blocks = sum(pages) + 3
-        self.cache = self.layout.allocate(num_blocks, "cuda", fill=0xFF)
+        if fp8_keys:
+            self.pages = torch.full((num_blocks, self.layout.page_bytes), 0xFF, dtype=torch.uint8, device="cuda")
+            self.key_cache, self.value_cache = self.layout.side_views(self.pages)
+            if split_sides:
+                self.value_pages = torch.full((num_blocks, self.layout.side_bytes + 48), 0xFF, dtype=torch.uint8,
+                                              device="cuda")
+                self.value_cache = self.value_pages.as_strided(
+                    self.value_cache.shape, (self.value_pages.stride(0), *self.value_cache.stride()[1:]), 0)
+        else:
+            self.cache = self.pages = self.layout.allocate(num_blocks, "cuda", fill=0xFF)
+            self.key_cache, self.value_cache = self.cache[:, 0], self.cache[:, 1]
         order = torch.randperm(num_blocks, generator=self.gen)
         table = torch.full((len(requests), max(pages) + 2), -7, dtype=torch.int32)
         used = 0
@@ -49,7 +62,7 @@ class Batch:
             k, v = (kv or self.randn)(c, kv_heads, head_size)
             pos = torch.arange(c)
             slots = table[r, pos // block_size].long() * block_size + pos % block_size
-            ops.reshape_and_cache_nvfp4(k.cuda(), v.cuda(), self.cache[:, 0], self.cache[:, 1], slots.cuda(),
+            ops.reshape_and_cache_nvfp4(k.cuda(), v.cuda(), self.key_cache, self.value_cache, slots.cuda(),
                                         self.k_scale, self.v_scale, swizzle)
         self.num_tokens = sum(n for n, _ in requests)
         self.query = self.randn(self.num_tokens + PAD_ROWS, self.q_heads, head_size)[0].cuda()
@@ -64,7 +77,7 @@ class Batch:
         return tuple(torch.randn(*shape, generator=self.gen).to(self.dtype) for _ in range(2))
 
     def args(self, out, max_query_len=None, max_seq_len=None):
-        return (self.query, self.cache[:, 0], self.cache[:, 1], self.block_table, self.query_start_loc, self.seq_lens,
+        return (self.query, self.key_cache, self.value_cache, self.block_table, self.query_start_loc, self.seq_lens,
                 self.k_scale, self.v_scale, self.scale, self.causal, self.layout.swizzle_v_scales,
                 max_query_len or max(n for n, _ in self.requests), max_seq_len or max(c for _, c in self.requests),
                 out)
@@ -166,7 +179,7 @@ def test_sliding_window(batch_kind, window):
     ref = batch.reference()
     for r, (n, c) in enumerate(batch.requests):
         first_visible = max(0, c - n - window + 1)
-        batch.cache[batch.block_table[r, :first_visible // 16].long()] = 0xFF
+        batch.pages[batch.block_table[r, :first_visible // 16].long()] = 0xFF
     batch.check(batch.run(), ref)
 
 
@@ -342,3 +355,109 @@ def test_kernel_batch_with_fa2_decodes(head_size):
     out = torch.full_like(batch.query, float("nan"))
     cuda_paged_attention(batch.query, batch.cache, plan, batch.scale, batch.k_scale, batch.v_scale, 0.75, 1.25, out)
     batch.check(out)
+
+
+# --- FP8 E4M3 keys, NVFP4 values (an fp8_keys page) ----------------------------------------------------
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+@pytest.mark.parametrize("swizzle", [False, True], ids=["linear", "swizzled"])
+def test_fp8_keys_decode_layouts(head_size, hnd, swizzle):
+    batch = Batch(DECODES, head_size=head_size, hnd=hnd, swizzle=swizzle, fp8_keys=True, seed=head_size + hnd)
+    batch.check(batch.run())
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+def test_fp8_keys_prefill_chunked_and_mixed(head_size, hnd):
+    requests = [(1, 500), (1, 33), (200, 200), (77, 1000), (64, 64), (5, 130)]
+    batch = Batch(requests, head_size=head_size, hnd=hnd, swizzle=hnd, fp8_keys=True, seed=head_size + 1)
+    batch.check(batch.run())
+
+
+@pytest.mark.parametrize("group,dtype,next_n", [(1, torch.float16, 1), (8, torch.bfloat16, 1), (4, torch.float16, 3),
+                                                (8, torch.bfloat16, 2), (4, torch.bfloat16, 5)])
+def test_fp8_keys_groups_dtypes_and_multi_token(group, dtype, next_n):
+    """Query rows of 1 to 40 a request: both n8 widths of the decode kernel and both warp splits of the fused one."""
+    batch = Batch([(next_n, 40), (next_n, 1000), (next_n, next_n)], group=group, dtype=dtype, fp8_keys=True,
+                  seed=group + next_n)
+    batch.check(batch.run())
+
+
+@pytest.mark.parametrize("block_size,split_sides", [(8, False), (24, True), (64, True)])
+def test_fp8_keys_block_sizes_and_side_strides(block_size, split_sides):
+    """Blocks not a multiple of 16 (a table read a key); K and V sides of different block strides."""
+    batch = Batch(DECODES + [(2, 500), (40, 300)], block_size=block_size, swizzle=block_size % 4 == 0,
+                  fp8_keys=True, split_sides=split_sides, seed=block_size)
+    assert batch.key_cache.stride(0) != batch.value_cache.stride(0) or not split_sides
+    batch.check(batch.run())
+
+
+def test_fp8_keys_long_context_splits_and_sinks():
+    batch = Batch([(1, 40000), (1, 3)], kv_heads=1, group=8, fp8_keys=True, seed=3)
+    batch.check(batch.run())
+    batch.features = {"sinks": _sinks(8, 11), "sliding_window": 4000}
+    batch.check(batch.run())
+
+
+@pytest.mark.parametrize("batch_kind", list(FEATURE_BATCHES))
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_fp8_keys_model_features(batch_kind, head_size):
+    """Sliding window (pages wholly before it overwritten with 0xFF after the reference read them), soft-cap, sinks."""
+    batch = Batch(FEATURE_BATCHES[batch_kind], head_size=head_size, block_size=16, swizzle=True, fp8_keys=True,
+                  seed=head_size)
+    batch.scale = 4.0 / math.sqrt(head_size)  # logits of several units, so a cap of 3 bends them
+    for features in ({"logits_soft_cap": 3.0}, {"sinks": _sinks(batch.q_heads, head_size)},
+                     {"sliding_window": 37, "logits_soft_cap": 3.0, "sinks": _sinks(batch.q_heads, 1)}):
+        batch.features = features
+        batch.check(batch.run())
+    window = 23
+    batch.features = {"sliding_window": window}
+    ref = batch.reference()
+    for r, (n, c) in enumerate(batch.requests):
+        batch.pages[batch.block_table[r, :max(0, c - n - window + 1) // 16].long()] = 0xFF
+    batch.check(batch.run(), ref)
+
+
+@pytest.mark.parametrize("requests", [[(1, 300), (1, 2000), (40, 500)], [(1, 300), (1, 2000), (2, 77)]],
+                         ids=["mixed", "decode"])
+@pytest.mark.parametrize("kind", ["outliers", "zero_groups", "saturated"])
+def test_fp8_keys_adversarial_values(kind, requests):
+    """Outlier channels, zero groups, and keys past ±448 (saturated FP8) with values past NVFP4's range."""
+    batch = Batch(requests, kv=_adversarial_kv(kind), fp8_keys=True, seed=7, k_scale=1.0, v_scale=1.0)
+    if kind in ("outliers", "saturated"):
+        batch.scale = 1e-4
+    batch.check(batch.run())
+
+
+def test_fp8_keys_random_cache_bytes():
+    """Every FP8 key byte but the NaNs (subnormals and ±448 included), written straight into the pages."""
+    batch = Batch([(1, 700), (1, 900), (20, 900)], fp8_keys=True, swizzle=True, seed=8)
+    g = torch.Generator().manual_seed(8)
+    data = torch.randint(0, 256, (batch.pages.numel(),), generator=g, dtype=torch.uint8)
+    data = torch.where((data & 0x7F) == 0x7F, data - 1, data)
+    batch.pages.copy_(data.view(batch.pages.shape).cuda())
+    batch.scale = 1e-3
+    batch.check(batch.run())
+
+
+def test_fp8_keys_cuda_graph_replay_with_new_lengths():
+    batch = Batch([(1, 3000), (1, 2600), (1, 20)], group=4, fp8_keys=True, seed=9)
+    out = torch.full_like(batch.query, float("nan"))
+    args = batch.args(out, max_query_len=1, max_seq_len=4096)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.nvfp4_paged_attention(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.nvfp4_paged_attention(*args)
+    batch.seq_lens.copy_(torch.tensor([17, 2500, 1], dtype=torch.int32))
+    batch.requests = [(1, 17), (1, 2500), (1, 1)]
+    batch.query.copy_(torch.randn(batch.query.shape, generator=batch.gen).to(batch.dtype))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    batch.check(out)
+

@@ -40,12 +40,6 @@ inline void check_launch(const char* op) {
   NVFP4_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 
-// The CUDA kernels read NVFP4 keys only; an fp8_keys page (FP8 E4M3 keys) is served by the CPU kernels.
-inline void check_nvfp4_keys(const char* op, const NVFP4PageLayout& layout) {
-  NVFP4_CHECK(!layout.fp8_keys, op, ": key_cache: FP8 E4M3 keys are served on CPU only; on CUDA the key cache "
-              "must be NVFP4 (value_cache's shape)");
-}
-
 inline bool aligned(const void* p, int64_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Calls fn(T{}) with T the CUDA type of a bf16/fp16/fp32 tensor dtype (the argument checks allow no other).

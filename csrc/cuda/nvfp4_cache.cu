@@ -11,6 +11,8 @@
 // block) is found once per CTA, by one thread, into shared memory; a thread loads all its rows' codes before
 // decoding.
 // Blocks are (groups, heads, tokens) for the store and (2 x groups, heads, row sets) for the gather.
+// fp8_keys pages (kFp8): the same threads store and gather 16 (8) FP8 E4M3 key bytes where the NVFP4 path has a
+// group's codes and scale; the V side is unchanged. K and V sides have their own block strides.
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
@@ -71,6 +73,30 @@ struct EntryOffsets {
   __device__ int v_scale_at(int token) const { return v_scale + (token & ~3) * scale_step + (token & 3) * v_scale_unit; }
 };
 
+// One 16-element group of an FP8 key: e4m3(x / global), byte i = element i (division, as the reference).
+template <bool kVector, typename T>
+__device__ __forceinline__ void store_fp8_key_group(const Elements<GROUP, T>& x, float global, bool valid,
+                                                    uint8_t* dst) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    w[j] = e4m3_pair(to_float(x.x[4 * j]) / global, to_float(x.x[4 * j + 1]) / global) |
+           e4m3_pair(to_float(x.x[4 * j + 2]) / global, to_float(x.x[4 * j + 3]) / global) << 16;
+  if constexpr (kVector) {
+    // Predicated like store_group; two 8-byte stores (the caches are 8-byte aligned on this path).
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.v2.u32 [%1], {%2, %3};\n"
+        "@p st.global.v2.u32 [%1+8], {%4, %5};\n}"
+        :
+        : "r"(static_cast<int>(valid)), "l"(dst), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3])
+        : "memory");
+  } else {
+    if (!valid) return;
+#pragma unroll
+    for (int i = 0; i < GROUP; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+  }
+}
+
 // Quantizes one 16-element group into its 8 code bytes and 1 scale byte (docs/FORMATS.md §1 steps 1-4).
 template <bool kVector, typename T>
 __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float global, float inv_global, bool valid,
@@ -109,11 +135,11 @@ __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float g
 // At least 10 CTAs an SM: 48 registers instead of 62, 62.5% occupancy instead of 50%. ptxas keeps the
 // loop-invariant global scales and their reciprocals in local memory (stored once, reloaded once a head). On an
 // H200 (docs/KERNELS.md): 400 -> 385 us for 262,144 tokens; capped at 40 registers it spills inside the loop: 497 us.
-template <bool kVector, typename T>
+template <bool kVector, bool kFp8, typename T>
 __global__ void __launch_bounds__(THREADS, 10) reshape_and_cache_nvfp4_kernel(
     const T* __restrict__ key, const T* __restrict__ value, int64_t key_token_stride, int64_t key_head_stride,
     int64_t value_token_stride, int64_t value_head_stride, uint8_t* __restrict__ key_cache,
-    uint8_t* __restrict__ value_cache, int64_t block_stride, int64_t num_blocks,
+    uint8_t* __restrict__ value_cache, int64_t key_block_stride, int64_t value_block_stride, int64_t num_blocks,
     const int64_t* __restrict__ slot_mapping, int64_t num_tokens, const float* __restrict__ k_scale,
     const float* __restrict__ v_scale, NVFP4PageLayout layout) {
   const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.z + threadIdx.z;
@@ -131,11 +157,14 @@ __global__ void __launch_bounds__(THREADS, 10) reshape_and_cache_nvfp4_kernel(
     const bool valid = slot >= 0 && slot < num_blocks * layout.block_size;
     const int64_t block = slot / layout.block_size;
     const int offset = static_cast<int>(slot - block * layout.block_size);
-    uint8_t* k_side = key_cache + block * block_stride;
-    uint8_t* v_side = value_cache + block * block_stride;
+    uint8_t* k_side = key_cache + block * key_block_stride;
+    uint8_t* v_side = value_cache + block * value_block_stride;
     const EntryOffsets at(layout, static_cast<int>(head), g);
     const int data = at.data_at(offset);
-    store_group<kVector>(k, kg, 1.0f / kg, valid, k_side + data, k_side + at.k_scale_at(offset));
+    if constexpr (kFp8)
+      store_fp8_key_group<kVector>(k, kg, valid, k_side + layout.fp8_key_offset(offset, head) + g * GROUP);
+    else
+      store_group<kVector>(k, kg, 1.0f / kg, valid, k_side + data, k_side + at.k_scale_at(offset));
     store_group<kVector>(v, vg, 1.0f / vg, valid, v_side + data, v_side + at.v_scale_at(offset));
   }
 }
@@ -147,7 +176,7 @@ template <typename T>
 __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_4over6_kernel(
     const T* __restrict__ key, const T* __restrict__ value, int64_t key_token_stride, int64_t key_head_stride,
     int64_t value_token_stride, int64_t value_head_stride, uint8_t* __restrict__ key_cache,
-    uint8_t* __restrict__ value_cache, int64_t block_stride, int64_t num_blocks,
+    uint8_t* __restrict__ value_cache, int64_t key_block_stride, int64_t value_block_stride, int64_t num_blocks,
     const int64_t* __restrict__ slot_mapping, int64_t num_tokens, const float* __restrict__ k_scale,
     const float* __restrict__ v_scale, NVFP4PageLayout layout) {
   const int64_t token = static_cast<int64_t>(blockIdx.x) * blockDim.z + threadIdx.z;
@@ -162,13 +191,19 @@ __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_4over6_kernel
     const T* k = key + token * key_token_stride + head * key_head_stride + g * GROUP;
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) x[i] = to_float(k[i]);
-    uint8_t* side = key_cache + block * block_stride;
-    side[layout.scale_offset(offset, head, g, false)] =
-        nvfp4_4over6_group(x, kg, 1.0f / kg, side + layout.data_offset(offset, head) + g * GROUP / 2);
+    uint8_t* side = key_cache + block * key_block_stride;
+    if (layout.fp8_keys) {  // FP8 keys take no 4over6 choice: e4m3(k / k_scale)
+      uint8_t* dst = side + layout.fp8_key_offset(offset, head) + g * GROUP;
+#pragma unroll
+      for (int i = 0; i < GROUP; ++i) dst[i] = e4m3_byte(x[i] / kg);
+    } else {
+      side[layout.scale_offset(offset, head, g, false)] =
+          nvfp4_4over6_group(x, kg, 1.0f / kg, side + layout.data_offset(offset, head) + g * GROUP / 2);
+    }
     const T* v = value + token * value_token_stride + head * value_head_stride + g * GROUP;
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) x[i] = to_float(v[i]);
-    side = value_cache + block * block_stride;
+    side = value_cache + block * value_block_stride;
     side[layout.scale_offset(offset, head, g, layout.swizzle_v_scales)] =
         nvfp4_4over6_group(x, vg, 1.0f / vg, side + layout.data_offset(offset, head) + g * GROUP / 2);
   }
@@ -203,10 +238,11 @@ __device__ __forceinline__ void store_decoded(uint32_t codes, uint8_t scale, flo
 }
 
 // At least 8 CTAs an SM: 64 registers instead of 80, 50% occupancy instead of 37.5%, no spills.
-template <bool kVector, typename T>
+// FP8 keys (kFp8): the thread's 8 key bytes, e4m3 · k_scale, where the NVFP4 path has 8 codes.
+template <bool kVector, bool kFp8, typename T>
 __global__ void __launch_bounds__(THREADS, 8) gather_nvfp4_kv_cache_kernel(
-    const uint8_t* __restrict__ key_cache, const uint8_t* __restrict__ value_cache, int64_t block_stride,
-    int64_t num_blocks, const int32_t* __restrict__ block_table, int64_t table_stride,
+    const uint8_t* __restrict__ key_cache, const uint8_t* __restrict__ value_cache, int64_t key_block_stride,
+    int64_t value_block_stride, int64_t num_blocks, const int32_t* __restrict__ block_table, int64_t table_stride,
     const int32_t* __restrict__ cu_seq_lens, int batch, const float* __restrict__ k_scale,
     const float* __restrict__ v_scale, NVFP4PageLayout layout, T* __restrict__ out_key, int64_t key_row_stride,
     int64_t key_head_stride, T* __restrict__ out_value, int64_t value_row_stride, int64_t value_head_stride,
@@ -217,9 +253,10 @@ __global__ void __launch_bounds__(THREADS, 8) gather_nvfp4_kv_cache_kernel(
   if (tid < 16) lut[tid] = E2M1_VALUES[tid];
   const int rows_here = blockDim.z * ROWS;
   const int64_t first = static_cast<int64_t>(blockIdx.x) * rows_here;
+  // block_byte is the block index here (a stride of 1): K and V sides have their own strides.
   find_row_sources(rows, rows_here, first, cu_seq_lens, batch, block_table, table_stride,
-                   static_cast<int>(layout.block_size), num_blocks, block_stride, num_rows);
-  // This thread's rows: threadIdx.z + u * blockDim.z of the CTA's (block_byte: of the row's block side).
+                   static_cast<int>(layout.block_size), num_blocks, 1, num_rows);
+  // This thread's rows: threadIdx.z + u * blockDim.z of the CTA's.
   RowSource sources[ROWS];
 #pragma unroll
   for (int u = 0; u < ROWS; ++u) sources[u] = rows[threadIdx.z + u * blockDim.z];
@@ -227,24 +264,38 @@ __global__ void __launch_bounds__(THREADS, 8) gather_nvfp4_kv_cache_kernel(
   const float kg = __ldg(k_scale), vg = __ldg(v_scale);
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
     const EntryOffsets at(layout, static_cast<int>(head), g);
-    uint32_t k_codes[ROWS], v_codes[ROWS];
+    uint32_t k_codes[ROWS][kFp8 ? 2 : 1], v_codes[ROWS];
     uint8_t k_sf[ROWS], v_sf[ROWS];
 #pragma unroll
     for (int u = 0; u < ROWS; ++u) {  // every load first, then the decodes
       if (sources[u].block_byte < 0) continue;
-      const uint8_t* k_side = key_cache + sources[u].block_byte;
-      const uint8_t* v_side = value_cache + sources[u].block_byte;
+      const uint8_t* k_side = key_cache + sources[u].block_byte * key_block_stride;
+      const uint8_t* v_side = value_cache + sources[u].block_byte * value_block_stride;
       const int data = at.data_at(sources[u].offset) + half * 4;
-      k_codes[u] = load_codes<kVector>(k_side + data);
+      if constexpr (kFp8) {
+        const uint8_t* bytes = k_side + layout.fp8_key_offset(sources[u].offset, head) + g * GROUP + half * 8;
+        k_codes[u][0] = load_codes<kVector>(bytes);
+        k_codes[u][1] = load_codes<kVector>(bytes + 4);
+      } else {
+        k_codes[u][0] = load_codes<kVector>(k_side + data);
+        k_sf[u] = __ldg(k_side + at.k_scale_at(sources[u].offset));
+      }
       v_codes[u] = load_codes<kVector>(v_side + data);
-      k_sf[u] = __ldg(k_side + at.k_scale_at(sources[u].offset));
       v_sf[u] = __ldg(v_side + at.v_scale_at(sources[u].offset));
     }
 #pragma unroll
     for (int u = 0; u < ROWS; ++u) {
       if (sources[u].block_byte < 0) continue;
       const int64_t row = first + threadIdx.z + u * blockDim.z, column = g * GROUP + half * 8;
-      store_decoded<kVector>(k_codes[u], k_sf[u], kg, lut, out_key + row * key_row_stride + head * key_head_stride + column);
+      T* key_out = out_key + row * key_row_stride + head * key_head_stride + column;
+      if constexpr (kFp8) {
+        float k[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) k[i] = e4m3_value(static_cast<uint8_t>(k_codes[u][i / 4] >> (8 * (i % 4)))) * kg;
+        store_floats<8, kVector>(k, key_out);
+      } else {
+        store_decoded<kVector>(k_codes[u][0], k_sf[u], kg, lut, key_out);
+      }
       store_decoded<kVector>(v_codes[u], v_sf[u], vg, lut,
                              out_value + row * value_row_stride + head * value_head_stride + column);
     }
@@ -260,7 +311,7 @@ bool activations_aligned(const Tensor& t) {
 
 bool cache_aligned(const Tensor& key_cache, const Tensor& value_cache) {
   return aligned(key_cache.const_data_ptr(), 8) && aligned(value_cache.const_data_ptr(), 8) &&
-         key_cache.stride(0) % 8 == 0;
+         key_cache.stride(0) % 8 == 0 && value_cache.stride(0) % 8 == 0;
 }
 
 void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
@@ -273,7 +324,6 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
   if (num_tokens == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
   check_head_size(op, layout);
-  check_nvfp4_keys(op, layout);
   const dim3 block = block_shape(layout, 1);
   const dim3 grid(static_cast<unsigned>((num_tokens + block.z - 1) / block.z));
   const cudaStream_t stream = current_stream(key_cache);
@@ -283,16 +333,16 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
       kernel<<<grid, block, 0, stream>>>(
           static_cast<const T*>(key.const_data_ptr()), static_cast<const T*>(value.const_data_ptr()), key.stride(0),
           key.stride(1), value.stride(0), value.stride(1), static_cast<uint8_t*>(key_cache.mutable_data_ptr()),
-          static_cast<uint8_t*>(value_cache.mutable_data_ptr()), key_cache.stride(0), key_cache.size(0),
-          slot_mapping.const_data_ptr<int64_t>(), num_tokens, k_scale.const_data_ptr<float>(),
+          static_cast<uint8_t*>(value_cache.mutable_data_ptr()), key_cache.stride(0), value_cache.stride(0),
+          key_cache.size(0), slot_mapping.const_data_ptr<int64_t>(), num_tokens, k_scale.const_data_ptr<float>(),
           v_scale.const_data_ptr<float>(), layout);
     };
     const bool vector =
         activations_aligned<T>(key) && activations_aligned<T>(value) && cache_aligned(key_cache, value_cache);
-    if (vector)
-      launch(reshape_and_cache_nvfp4_kernel<true, T>);
+    if (layout.fp8_keys)
+      launch(vector ? reshape_and_cache_nvfp4_kernel<true, true, T> : reshape_and_cache_nvfp4_kernel<false, true, T>);
     else
-      launch(reshape_and_cache_nvfp4_kernel<false, T>);
+      launch(vector ? reshape_and_cache_nvfp4_kernel<true, false, T> : reshape_and_cache_nvfp4_kernel<false, false, T>);
   });
   check_launch(op);
 }
@@ -307,7 +357,6 @@ void reshape_and_cache_nvfp4_4over6_cuda(const Tensor& key, const Tensor& value,
   if (num_tokens == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
   check_head_size(op, layout);
-  check_nvfp4_keys(op, layout);
   const dim3 block = block_shape(layout, 1);
   const dim3 grid(static_cast<unsigned>((num_tokens + block.z - 1) / block.z));
   const cudaStream_t stream = current_stream(key_cache);
@@ -316,8 +365,8 @@ void reshape_and_cache_nvfp4_4over6_cuda(const Tensor& key, const Tensor& value,
     reshape_and_cache_nvfp4_4over6_kernel<T><<<grid, block, 0, stream>>>(
         static_cast<const T*>(key.const_data_ptr()), static_cast<const T*>(value.const_data_ptr()), key.stride(0),
         key.stride(1), value.stride(0), value.stride(1), static_cast<uint8_t*>(key_cache.mutable_data_ptr()),
-        static_cast<uint8_t*>(value_cache.mutable_data_ptr()), key_cache.stride(0), key_cache.size(0),
-        slot_mapping.const_data_ptr<int64_t>(), num_tokens, k_scale.const_data_ptr<float>(),
+        static_cast<uint8_t*>(value_cache.mutable_data_ptr()), key_cache.stride(0), value_cache.stride(0),
+        key_cache.size(0), slot_mapping.const_data_ptr<int64_t>(), num_tokens, k_scale.const_data_ptr<float>(),
         v_scale.const_data_ptr<float>(), layout);
   });
   check_launch(op);
@@ -335,7 +384,6 @@ void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cac
   if (num_rows == 0 || batch == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
   check_head_size(op, layout);
-  check_nvfp4_keys(op, layout);
   const dim3 block = block_shape(layout, 2);
   const int64_t rows_per_block = static_cast<int64_t>(block.z) * ROWS;
   const dim3 grid(static_cast<unsigned>((num_rows + rows_per_block - 1) / rows_per_block));
@@ -345,16 +393,18 @@ void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cac
     auto launch = [&](auto kernel) {
       kernel<<<grid, block, rows_per_block * sizeof(RowSource), stream>>>(
           static_cast<const uint8_t*>(key_cache.const_data_ptr()),
-          static_cast<const uint8_t*>(value_cache.const_data_ptr()), key_cache.stride(0), key_cache.size(0),
-          block_table.const_data_ptr<int32_t>(), block_table.stride(0), cu_seq_lens.const_data_ptr<int32_t>(),
+          static_cast<const uint8_t*>(value_cache.const_data_ptr()), key_cache.stride(0), value_cache.stride(0),
+          key_cache.size(0), block_table.const_data_ptr<int32_t>(), block_table.stride(0), cu_seq_lens.const_data_ptr<int32_t>(),
           static_cast<int>(batch), k_scale.const_data_ptr<float>(), v_scale.const_data_ptr<float>(), layout,
           static_cast<T*>(out_key.mutable_data_ptr()), out_key.stride(0), out_key.stride(1),
           static_cast<T*>(out_value.mutable_data_ptr()), out_value.stride(0), out_value.stride(1), num_rows);
     };
-    if (activations_aligned<T>(out_key) && activations_aligned<T>(out_value) && cache_aligned(key_cache, value_cache))
-      launch(gather_nvfp4_kv_cache_kernel<true, T>);
+    const bool vector =
+        activations_aligned<T>(out_key) && activations_aligned<T>(out_value) && cache_aligned(key_cache, value_cache);
+    if (layout.fp8_keys)
+      launch(vector ? gather_nvfp4_kv_cache_kernel<true, true, T> : gather_nvfp4_kv_cache_kernel<false, true, T>);
     else
-      launch(gather_nvfp4_kv_cache_kernel<false, T>);
+      launch(vector ? gather_nvfp4_kv_cache_kernel<true, false, T> : gather_nvfp4_kv_cache_kernel<false, false, T>);
   });
   check_launch(op);
 }

@@ -23,6 +23,10 @@
 // step's k-pairs are 4 consecutive tokens of one lane; V's output columns come out permuted and are placed
 // right when stored.
 //
+// FP8 keys (an fp8_keys page, template flag FP8): the K pages hold E4M3 bytes, copied and loaded like the codes
+// (twice as many bytes) and converted in registers to their exact float16 values, in the pairs the code decode
+// makes; k_scale alone scales the logits (no 2^14), the V side is unchanged.
+//
 // Split-KV: when (requests × KV heads × query tiles) would leave SMs idle, the KV range is cut into splits
 // planned from the host-side max_seq_len bound (never from device values, so a captured CUDA graph stays
 // valid for any lengths within the bound); each CTA loops only over its request's real length and writes a
@@ -47,19 +51,22 @@ constexpr int ATTN_WARPS = ATTN_THREADS / WARP;
 constexpr int TILE = 64;             // KV tokens per pipeline stage
 constexpr int STEP = 16;             // tokens per warp step: two n8 blocks of S, one k16 block of P·V
 constexpr int STAGE_BUDGET = 36864;  // bytes of shared memory for the stage ring (under the 48 KB default)
+constexpr int FP8_STAGE_BUDGET = 49152;  // FP8 keys: 3 / 7 stages at head 128 / 64 (head 256: two, 50 KB, opted in)
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float CODE_UNIT = 16384.0f;  // 2^14: a decoded code is its E2M1 value / 2^14
 
-template <int D>
+template <int D, bool FP8>
 struct Tiles {
-  static constexpr int DATA = D / 2;     // code bytes of one (token, head)
-  static constexpr int SCALES = D / 16;  // scale bytes of one (token, head)
-  static constexpr int K_DATA = 0, V_DATA = TILE * DATA, K_SCALES = 2 * TILE * DATA;
-  static constexpr int V_SCALES = K_SCALES + TILE * SCALES;
-  static constexpr int STAGE_BYTES = 2 * TILE * (DATA + SCALES);
-  static constexpr int STAGES = STAGE_BUDGET / STAGE_BYTES;  // 8 / 4 / 2 for head 64 / 128 / 256
+  static constexpr int DATA = D / 2;                 // code bytes of one (token, head)
+  static constexpr int SCALES = D / 16;              // scale bytes of one (token, head)
+  static constexpr int K_ROW = FP8 ? D : DATA;       // K bytes of one (token, head): FP8 keys or codes
+  static constexpr int K_DATA = 0, V_DATA = TILE * K_ROW, K_SCALES = V_DATA + TILE * DATA;
+  static constexpr int V_SCALES = K_SCALES + (FP8 ? 0 : TILE * SCALES);
+  static constexpr int STAGE_BYTES = V_SCALES + TILE * SCALES;
+  static constexpr int BUDGET = FP8 ? FP8_STAGE_BUDGET : STAGE_BUDGET;
+  static constexpr int STAGES = BUDGET / STAGE_BYTES > 2 ? BUDGET / STAGE_BYTES : 2;  // NVFP4: 8 / 4 / 2 (head 64 / 128 / 256)
   static constexpr int Q_CHUNK = D / 4;                      // query elements (K codes) of one lane's quarter of a row
-  static constexpr int K_WORDS = D / 32;                     // 32-bit code words of that quarter
+  static constexpr int K_WORDS = D / 32;                     // 8-element groups of that quarter (a code word each)
   static constexpr int V_WORDS = D / 64;                     // code words of one lane's eighth of a V row
   static constexpr int KSTEPS = D / 16;                      // k16 steps of Q·K^T
   static constexpr int VBLOCKS = D / 8;                      // n8 blocks of the output
@@ -114,6 +121,29 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t two_bytes) {
 
 __device__ __forceinline__ uint32_t pack_half2(float lo, float hi) { return half2_bits(__floats2half2_rn(lo, hi)); }
 
+// Four E4M3 bytes as the exact float16 pairs (byte 0, byte 1) and (byte 2, byte 3).
+__device__ __forceinline__ void e4m3x4_to_half2(uint32_t x, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(x));
+#else
+  // No FP8 conversion before SM89: a byte's sign moved to bit 15 and its exponent and mantissa to bits 13..7 is a
+  // float16 of its value · 2^-8 (the biases differ by 8, subnormals land on subnormals); · 2^8 is exact. (An E4M3
+  // NaN becomes 480; the stores never write one from finite keys.)
+  const uint32_t a = __byte_perm(x, 0, 0x1404), b = __byte_perm(x, 0, 0x3424);  // bytes to the high half-bytes
+  lo = hmul2((a & 0x80008000u) | ((a >> 1) & 0x3F803F80u), 0x5C005C00u);
+  hi = hmul2((b & 0x80008000u) | ((b >> 1) & 0x3F803F80u), 0x5C005C00u);
+#endif
+}
+
+// Eight FP8 key bytes of one 8-element group (`lo`: elements 0..3, `hi`: 4..7) as the float16 pairs code_pair<I>
+// makes of a code word: h[I] = (element I, element I + 4).
+__device__ __forceinline__ void fp8_pairs(uint32_t lo, uint32_t hi, uint32_t (&h)[4]) {
+  e4m3x4_to_half2(__byte_perm(lo, hi, 0x5140), h[0], h[1]);
+  e4m3x4_to_half2(__byte_perm(lo, hi, 0x7362), h[2], h[3]);
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -151,7 +181,7 @@ struct Params {
   int64_t q_token_stride, q_head_stride;
   const uint8_t* key_cache;
   const uint8_t* value_cache;
-  int64_t block_stride, num_blocks;
+  int64_t key_block_stride, value_block_stride, num_blocks;  // FP8 keys: the sides' strides may differ
   const int32_t* block_table;
   int64_t table_stride;
   const int32_t* query_start_loc;
@@ -219,11 +249,12 @@ __device__ __forceinline__ void tile_pages(int (&pages)[TileCopy<D>::PAGES], con
   }
 }
 
-// The KV tile's raw bytes into one stage (zeros where a token has no block).
-template <int D>
+// The KV tile's raw bytes into one stage (zeros where a token has no block). FP8 keys: a K row is two code rows
+// long, copied as two chunks of the same row; no K scales.
+template <int D, bool FP8>
 __device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, int head, int tile,
                                           const int (&pages)[TileCopy<D>::PAGES]) {
-  using G = Tiles<D>;
+  using G = Tiles<D, FP8>;
   using C = TileCopy<D>;
   // entry_index(offset, head) = offset · token_step + head_entry (NHD: token-major, HND: head-major)
   const int token_step = p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);
@@ -233,21 +264,26 @@ __device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, int h
   for (int j = 0; j < C::DATA_TOKENS; ++j) {  // the same rows of K and V
     const int token = C::data_token(j), block = pages[j];
     const int entry = block_position(p, tile * TILE + token).y * token_step + head_entry;
-    const int64_t offset = static_cast<int64_t>(max(block, 0)) * p.block_stride + entry * G::DATA + 16 * chunk;
-    const int dst = token * G::DATA + 16 * chunk;
-    copy_async<16>(stage + G::K_DATA + dst, p.key_cache + offset, block >= 0);
-    copy_async<16>(stage + G::V_DATA + dst, p.value_cache + offset, block >= 0);
+    const int64_t k_offset = static_cast<int64_t>(max(block, 0)) * p.key_block_stride + entry * G::K_ROW + 16 * chunk;
+    const int64_t v_offset = static_cast<int64_t>(max(block, 0)) * p.value_block_stride + entry * G::DATA + 16 * chunk;
+    copy_async<16>(stage + G::K_DATA + token * G::K_ROW + 16 * chunk, p.key_cache + k_offset, block >= 0);
+    if constexpr (FP8)
+      copy_async<16>(stage + G::K_DATA + token * G::K_ROW + G::DATA + 16 * chunk, p.key_cache + k_offset + G::DATA,
+                     block >= 0);
+    copy_async<16>(stage + G::V_DATA + token * G::DATA + 16 * chunk, p.value_cache + v_offset, block >= 0);
   }
   const int side = threadIdx.x / TILE, token = C::scale_token(), block = pages[C::DATA_TOKENS];
+  if (FP8 && side == 0) return;  // no K scales
   const int entry = block_position(p, tile * TILE + token).y * token_step + head_entry;
-  const uint8_t* src = (side ? p.value_cache : p.key_cache) + static_cast<int64_t>(max(block, 0)) * p.block_stride +
+  const int64_t stride = side ? p.value_block_stride : p.key_block_stride;
+  const uint8_t* src = (side ? p.value_cache : p.key_cache) + static_cast<int64_t>(max(block, 0)) * stride +
                        static_cast<int>(p.layout.data_region_bytes()) + entry * G::SCALES;
   copy_async<G::SCALES>(stage + (side ? G::V_SCALES : G::K_SCALES) + token * G::SCALES, src, block >= 0);
 }
 
-template <int D, int WARPS_M, typename T>
+template <int D, int WARPS_M, bool FP8, typename T>
 __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Params p) {
-  using G = Tiles<D>;
+  using G = Tiles<D, FP8>;
   constexpr int WARPS_N = ATTN_WARPS / WARPS_M;
   constexpr int ROWS = 16 * WARPS_M;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -281,7 +317,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
   for (int s = 0; s < G::STAGES - 1; ++s) {
     if (s < num_tiles) {
       tile_pages<D>(pages, p, table_row, tile_begin + s, kv_lo, kv_end);
-      load_tile<D>(smem + s * G::STAGE_BYTES, p, head, tile_begin + s, pages);
+      load_tile<D, FP8>(smem + s * G::STAGE_BYTES, p, head, tile_begin + s, pages);
     }
     copy_commit();
   }
@@ -316,7 +352,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
     if (amax > 0.0f) frexpf(amax, &exponent);   // amax < 2^exponent
     const int shift = min(127, 15 - exponent);  // max |q| · 2^shift in [2^14, 2^15)
     const float up = ldexpf(1.0f, shift);
-    row_scale[r] = p.logit_scale * __ldg(p.k_scale) * CODE_UNIT * ldexpf(1.0f, -shift);
+    row_scale[r] = p.logit_scale * __ldg(p.k_scale) * (FP8 ? 1.0f : CODE_UNIT) * ldexpf(1.0f, -shift);
 #pragma unroll
     for (int j = 0; j < G::KSTEPS; ++j) {
       const int base = 8 * (j >> 1) + 2 * (j & 1);
@@ -337,7 +373,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
     __syncthreads();
     {
       const int next = it + G::STAGES - 1;
-      if (next < num_tiles) load_tile<D>(smem + (next % G::STAGES) * G::STAGE_BYTES, p, head, tile_begin + next, pages);
+      if (next < num_tiles)
+        load_tile<D, FP8>(smem + (next % G::STAGES) * G::STAGE_BYTES, p, head, tile_begin + next, pages);
       copy_commit();
       tile_pages<D>(pages, p, table_row, next + 1 < num_tiles ? tile_begin + next + 1 : -1, kv_lo, kv_end);
     }
@@ -354,6 +391,18 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
       for (int nb = 0; nb < 2; ++nb) {
         s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
         const int token = st * STEP + 4 * (g >> 1) + 2 * nb + (g & 1);
+        if constexpr (FP8) {
+          const uint8_t* keys = stage + G::K_DATA + token * G::K_ROW + t * (G::K_ROW / 4);
+#pragma unroll
+          for (int u = 0; u < G::K_WORDS; ++u) {
+            const uint2 pair = *reinterpret_cast<const uint2*>(keys + 8 * u);
+            uint32_t h[4];
+            fp8_pairs(pair.x, pair.y, h);
+            mma_f16(s[nb], qa[2 * u], h[0], h[1]);
+            mma_f16(s[nb], qa[2 * u + 1], h[2], h[3]);
+          }
+          continue;
+        }
         const uint8_t* codes = stage + G::K_DATA + token * G::DATA + t * (G::DATA / 4);
         const uint8_t* scales = stage + G::K_SCALES + token * G::SCALES + t * (G::SCALES / 4);
         uint32_t words[G::K_WORDS];
@@ -510,7 +559,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
   } else {
     // Warps wn hold the same rows over different tokens: merge them through shared memory.
     float* merged = reinterpret_cast<float*>(smem);  // [ROWS][D]
-    static_assert(ROWS * D * sizeof(float) <= STAGE_BUDGET, "the merge buffer reuses the stage ring");
+    static_assert(ROWS * D * sizeof(float) <= G::STAGES * G::STAGE_BYTES, "the merge buffer reuses the stage ring");
     if (t == 0) {
       merge_m[wn][wm * 16 + g] = m[0];
       merge_m[wn][wm * 16 + g + 8] = m[1];
@@ -571,10 +620,12 @@ constexpr int DECODE_WARPS = 4;
 constexpr int DECODE_THREADS = DECODE_WARPS * WARP;
 constexpr int DECODE_CHUNK = 32;  // keys of one warp iteration: two 16-key blocks
 
-template <int D>
+template <int D, bool FP8>
 struct DecodeShape {
-  static constexpr int K_BYTES = D / 8;  // one lane's quarter of a K row
-  static constexpr int K_WORDS = D / 32;
+  static constexpr int K_ROW = FP8 ? D : D / 2;  // K bytes of one (key, head)
+  static constexpr int K_BYTES = K_ROW / 4;      // one lane's quarter of a K row
+  static constexpr int K_WORDS = K_BYTES / 4;
+  static constexpr int K_GROUPS = D / 32;        // 8-element groups of that quarter
   static constexpr int K_SCALES = D / 64;  // its block scales
   static constexpr int V_BYTES = D / 16;   // one lane's eighth of a V row
   static constexpr int V_WORDS = D / 64;
@@ -584,12 +635,13 @@ struct DecodeShape {
 };
 
 // One lane's raw bytes of one chunk.
-template <int D>
+template <int D, bool FP8>
 struct DecodeChunk {
-  uint32_t k[2][2][DecodeShape<D>::K_WORDS];       // [16-key block][key σ(g), σ(g) + 2][word]
-  uint32_t k_scales[2][2];                         // K_SCALES bytes each
-  uint32_t v[2][4][DecodeShape<D>::V_WORDS];       // [16-key block][key 4t + i][word]
-  uint32_t v_scales[2][DecodeShape<D>::V_GROUPS];  // byte i: key 4t + i
+  using S = DecodeShape<D, FP8>;
+  uint32_t k[2][2][S::K_WORDS];       // [16-key block][key σ(g), σ(g) + 2][word]
+  uint32_t k_scales[2][2];            // K_SCALES bytes each (NVFP4 keys)
+  uint32_t v[2][4][S::V_WORDS];       // [16-key block][key 4t + i][word]
+  uint32_t v_scales[2][S::V_GROUPS];  // byte i: key 4t + i
 };
 
 __device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
@@ -627,9 +679,9 @@ __device__ __forceinline__ uint32_t load_small(const uint8_t* src) {
 // This lane's byte offsets inside a 16-key run of one block (from the run's first (key, head) entry), in either
 // cache side: its K keys' code quarters and scale bytes, its V keys' code eighths and scale bytes (linear: a byte a
 // key; swizzled: the 32-bit word holding its four keys' bytes).
-template <int D, bool SWIZZLE>
+template <int D, bool SWIZZLE, bool FP8>
 struct LaneOffsets {
-  using S = DecodeShape<D>;
+  using S = DecodeShape<D, FP8>;
   int k_data[2], k_scales[2], v_data[4], v_scales[SWIZZLE ? 1 : 4][S::V_GROUPS];
 
   __device__ LaneOffsets(const Params& p) {
@@ -637,7 +689,7 @@ struct LaneOffsets {
     const int step = p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);  // entries from a key to the next
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      k_data[r] = (sigma + 2 * r) * step * (D / 2) + S::K_BYTES * t;
+      k_data[r] = (sigma + 2 * r) * step * S::K_ROW + S::K_BYTES * t;
       k_scales[r] = (sigma + 2 * r) * step * (D / 16) + S::K_SCALES * t;
     }
 #pragma unroll
@@ -676,13 +728,15 @@ struct RunBase {
   int64_t data, scales;
 };
 
-__device__ __forceinline__ RunBase run_base(const Params& p, int block, int pos, int head, int data_bytes, int d) {
+// `row`: data bytes of an entry on that side (d / 2, or d for FP8 keys); `stride`: that side's block stride.
+__device__ __forceinline__ RunBase run_base(const Params& p, int block, int pos, int head, int data_bytes, int d,
+                                            int64_t stride, int row) {
   if (block < 0) return {-1, -1};
   const int offset = block_position(p, pos).y;
   const int entry = p.layout.hnd ? head * static_cast<int>(p.layout.block_size) + offset
                                  : offset * static_cast<int>(p.layout.num_heads) + head;
-  const int64_t at = static_cast<int64_t>(block) * p.block_stride;
-  return {at + static_cast<int64_t>(entry) * (d / 2), at + data_bytes + static_cast<int64_t>(entry) * (d / 16)};
+  const int64_t at = static_cast<int64_t>(block) * stride;
+  return {at + static_cast<int64_t>(entry) * row, at + data_bytes + static_cast<int64_t>(entry) * (d / 16)};
 }
 
 __device__ __forceinline__ int table_block(const Params& p, const int32_t* table_row, int pos) {
@@ -691,29 +745,33 @@ __device__ __forceinline__ int table_block(const Params& p, const int32_t* table
 }
 
 // One lane's bytes of the chunk at `chunk_start` (keys outside [lo, hi) or without a block read as zeros).
-template <int D, bool SWIZZLE>
-__device__ __forceinline__ void load_chunk(DecodeChunk<D>& c, const Params& p, const LaneOffsets<D, SWIZZLE>& lane,
-                                           const int32_t* table_row, int2 blocks, int head, int chunk_start, int lo,
-                                           int hi) {
-  using S = DecodeShape<D>;
+template <int D, bool SWIZZLE, bool FP8>
+__device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, const Params& p,
+                                           const LaneOffsets<D, SWIZZLE, FP8>& lane, const int32_t* table_row,
+                                           int2 blocks, int head, int chunk_start, int lo, int hi) {
+  using S = DecodeShape<D, FP8>;
   const int g = (threadIdx.x % WARP) >> 2, t = threadIdx.x & 3, sigma = 2 * g - (g & 1);
   const int data_bytes = static_cast<int>(p.layout.data_region_bytes());
   const bool runs = p.layout.block_size % 16 == 0;  // a 16-key run never crosses a block
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     const int run = chunk_start + 16 * b;
-    const RunBase base = runs ? run_base(p, b ? blocks.y : blocks.x, run, head, data_bytes, D) : RunBase{0, 0};
+    const int run_block = b ? blocks.y : blocks.x;
+    const RunBase k_base =
+        runs ? run_base(p, run_block, run, head, data_bytes, D, p.key_block_stride, S::K_ROW) : RunBase{0, 0};
+    const RunBase base =
+        runs ? run_base(p, run_block, run, head, data_bytes, D, p.value_block_stride, D / 2) : RunBase{0, 0};
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int pos = run + sigma + 2 * r;
-      RunBase at = {base.data + lane.k_data[r], base.scales + lane.k_scales[r]};
+      RunBase at = {k_base.data + lane.k_data[r], k_base.scales + lane.k_scales[r]};
       if (!runs && pos >= lo && pos < hi) {  // this key's own block and entry
-        at = run_base(p, table_block(p, table_row, pos), pos, head, data_bytes, D);
+        at = run_base(p, table_block(p, table_row, pos), pos, head, data_bytes, D, p.key_block_stride, S::K_ROW);
         if (at.data >= 0) at = {at.data + S::K_BYTES * t, at.scales + S::K_SCALES * t};
       }
-      if (pos >= lo && pos < hi && (runs ? base.data : at.data) >= 0) {
+      if (pos >= lo && pos < hi && (runs ? k_base.data : at.data) >= 0) {
         load_words<S::K_BYTES>(c.k[b][r], p.key_cache + at.data);
-        c.k_scales[b][r] = load_small<S::K_SCALES>(p.key_cache + at.scales);
+        if constexpr (!FP8) c.k_scales[b][r] = load_small<S::K_SCALES>(p.key_cache + at.scales);
       } else {
 #pragma unroll
         for (int u = 0; u < S::K_WORDS; ++u) c.k[b][r][u] = 0;
@@ -731,7 +789,9 @@ __device__ __forceinline__ void load_chunk(DecodeChunk<D>& c, const Params& p, c
         key_at[i] = {base.data + lane.v_data[i], base.scales};
         if (in_range && base.data >= 0) valid |= 1u << i;
       } else {
-        key_at[i] = in_range ? run_base(p, table_block(p, table_row, pos), pos, head, data_bytes, D) : RunBase{-1, -1};
+        key_at[i] = in_range ? run_base(p, table_block(p, table_row, pos), pos, head, data_bytes, D,
+                                        p.value_block_stride, D / 2)
+                             : RunBase{-1, -1};
         if (key_at[i].data >= 0) {
           valid |= 1u << i;
           key_at[i].data += S::V_BYTES * g;
@@ -753,7 +813,8 @@ __device__ __forceinline__ void load_chunk(DecodeChunk<D>& c, const Params& p, c
         if (runs && base.data >= 0) row = base.scales + lane.v_scales[0][q];
         if (!runs && valid) {
           const int first = run + 4 * t;
-          const RunBase at = run_base(p, table_block(p, table_row, first), first, head, data_bytes, D);
+          const RunBase at =
+              run_base(p, table_block(p, table_row, first), first, head, data_bytes, D, p.value_block_stride, D / 2);
           const int group = S::V_BYTES * 2 * g / 16 + q;
           const int step = p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);
           if (at.data >= 0) row = at.scales + (group / (D / 64)) * step * (D / 16) + (group % (D / 64)) * 4;
@@ -786,9 +847,11 @@ __device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, ui
 }
 
 // Three CTAs an SM where the registers allow (168 a thread), two for the wide cases (head 256, or 16 query rows).
-template <int D, int NB, bool SWIZZLE, typename T>
-__global__ void __launch_bounds__(DECODE_THREADS, D* NB >= 256 ? 2 : 3) nvfp4_paged_decode_kernel(Params p) {
-  using S = DecodeShape<D>;
+// FP8 keys hold twice the K bytes in flight: two CTAs an SM from head 128 (head 256 runs the fused kernel).
+template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
+__global__ void __launch_bounds__(DECODE_THREADS, D* NB * (FP8 ? 2 : 1) >= 256 ? 2 : 3)
+    nvfp4_paged_decode_kernel(Params p) {
+  using S = DecodeShape<D, FP8>;
   constexpr int QROWS = 8 * NB;
   __shared__ float merge_m[DECODE_WARPS][QROWS], merge_l[DECODE_WARPS][QROWS];
   extern __shared__ float merge_o[];  // [DECODE_WARPS][QROWS][D]
@@ -836,7 +899,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, D* NB >= 256 ? 2 : 3) nvfp4_pa
     if (amax > 0.0f) frexpf(amax, &exponent);
     const int shift = min(127, 15 - exponent);
     const float up = ldexpf(1.0f, shift);
-    const float own_scale = p.logit_scale * __ldg(p.k_scale) * CODE_UNIT * ldexpf(1.0f, -shift);
+    const float own_scale = p.logit_scale * __ldg(p.k_scale) * (FP8 ? 1.0f : CODE_UNIT) * ldexpf(1.0f, -shift);
 #pragma unroll
     for (int j = 0; j < S::KSTEPS; ++j) {
       const int base = 8 * (j >> 1) + 2 * (j & 1);
@@ -863,12 +926,27 @@ __global__ void __launch_bounds__(DECODE_THREADS, D* NB >= 256 ? 2 : 3) nvfp4_pa
   for (int nb = 0; nb < NB; ++nb) m[nb][0] = m[nb][1] = -INFINITY, l[nb][0] = l[nb][1] = 0.0f;
   const int sigma = 2 * g - (g & 1);
 
-  auto attend = [&](const DecodeChunk<D>& c, int chunk_start) {
+  auto attend = [&](const DecodeChunk<D, FP8>& c, int chunk_start) {
     float s[2][NB][4];
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) s[b][nb][0] = s[b][nb][1] = s[b][nb][2] = s[b][nb][3] = 0.0f;
+      if constexpr (FP8) {
+#pragma unroll
+        for (int u = 0; u < S::K_GROUPS; ++u) {
+          uint32_t h0[4], h1[4];  // keys σ(g), σ(g) + 2
+          fp8_pairs(c.k[b][0][2 * u], c.k[b][0][2 * u + 1], h0);
+          fp8_pairs(c.k[b][1][2 * u], c.k[b][1][2 * u + 1], h1);
+          const uint32_t a0[4] = {h0[0], h1[0], h0[1], h1[1]}, a1[4] = {h0[2], h1[2], h0[3], h1[3]};
+#pragma unroll
+          for (int nb = 0; nb < NB; ++nb) {
+            mma_f16(s[b][nb], a0, qb[nb][2 * u][0], qb[nb][2 * u][1]);
+            mma_f16(s[b][nb], a1, qb[nb][2 * u + 1][0], qb[nb][2 * u + 1][1]);
+          }
+        }
+        continue;
+      }
       uint32_t sf[2][4];  // [key][scale byte], splatted
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -976,7 +1054,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, D* NB >= 256 ? 2 : 3) nvfp4_pa
 
   // Each warp: its chunks' bytes loaded one chunk ahead of their use, their blocks read two chunks ahead.
   const int32_t* table_row = p.block_table + static_cast<int64_t>(request) * p.table_stride;
-  const LaneOffsets<D, SWIZZLE> offsets(p);
+  const LaneOffsets<D, SWIZZLE, FP8> offsets(p);
   const int mine =
       chunk_begin + warp < chunk_end ? (chunk_end - chunk_begin - warp + DECODE_WARPS - 1) / DECODE_WARPS : 0;
   auto chunk_start = [&](int i) { return (chunk0 + chunk_begin + warp + i * DECODE_WARPS) * DECODE_CHUNK; };
@@ -984,19 +1062,19 @@ __global__ void __launch_bounds__(DECODE_THREADS, D* NB >= 256 ? 2 : 3) nvfp4_pa
   auto blocks_of = [&](int i) {
     return runs && i < mine ? chunk_blocks(p, table_row, chunk_start(i), seq_len) : make_int2(-1, -1);
   };
-  DecodeChunk<D> even, odd;
+  DecodeChunk<D, FP8> even, odd;
   int2 next_blocks = blocks_of(1);
-  if (mine > 0) load_chunk<D, SWIZZLE>(even, p, offsets, table_row, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
+  if (mine > 0) load_chunk<D, SWIZZLE, FP8>(even, p, offsets, table_row, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
   for (int i = 0; i < mine; i += 2) {
     int2 later = blocks_of(i + 2);
     if (i + 1 < mine)
-      load_chunk<D, SWIZZLE>(odd, p, offsets, table_row, next_blocks, head, chunk_start(i + 1), kv_lo, seq_len);
+      load_chunk<D, SWIZZLE, FP8>(odd, p, offsets, table_row, next_blocks, head, chunk_start(i + 1), kv_lo, seq_len);
     next_blocks = later;
     attend(even, chunk_start(i));
     if (i + 1 >= mine) break;
     later = blocks_of(i + 3);
     if (i + 2 < mine)
-      load_chunk<D, SWIZZLE>(even, p, offsets, table_row, next_blocks, head, chunk_start(i + 2), kv_lo, seq_len);
+      load_chunk<D, SWIZZLE, FP8>(even, p, offsets, table_row, next_blocks, head, chunk_start(i + 2), kv_lo, seq_len);
     next_blocks = later;
     attend(odd, chunk_start(i + 1));
   }
@@ -1099,11 +1177,10 @@ NVFP4PageLayout check_cuda_paged_attention(const Tensor& query, const Tensor& ke
       check_nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start_loc, seq_lens, k_scale,
                                   v_scale, swizzle_v_scales, max_query_len, max_seq_len, out);
   check_attention_features(sliding_window, logits_soft_cap, sinks, query);
-  check_nvfp4_keys(op, layout);
   NVFP4_CHECK(query.scalar_type() == ScalarType::BFloat16 || query.scalar_type() == ScalarType::Half, op,
               ": query: dtype must be bfloat16 or float16 on CUDA, got ", query.scalar_type());
   NVFP4_CHECK(aligned(key_cache.const_data_ptr(), 16) && aligned(value_cache.const_data_ptr(), 16) &&
-                  (key_cache.size(0) <= 1 || key_cache.stride(0) % 16 == 0),
+                  (key_cache.size(0) <= 1 || (key_cache.stride(0) % 16 == 0 && value_cache.stride(0) % 16 == 0)),
               op, ": key_cache: block sides must start on 16-byte boundaries (pointer and block stride)");
   NVFP4_CHECK(aligned(query.const_data_ptr(), 16) && (query.stride(0) * 2) % 16 == 0 && (query.stride(1) * 2) % 16 == 0,
               op, ": query: data pointer and strides must be 16-byte aligned");
@@ -1148,10 +1225,10 @@ void launch_combine(const Params& p, int64_t num_reqs, int64_t q_heads, const Te
 }
 
 // The decode kernel: one CTA per (KV head, split, request); splits fill the GPU twice over, each at least 8 chunks.
-template <int D, int NB, bool SWIZZLE, typename T>
+template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
 void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
                    const Tensor& query_start_loc, cudaStream_t stream) {
-  auto kernel = nvfp4_paged_decode_kernel<D, NB, SWIZZLE, T>;
+  auto kernel = nvfp4_paged_decode_kernel<D, NB, SWIZZLE, FP8, T>;
   const int smem_bytes = DECODE_WARPS * 8 * NB * D * static_cast<int>(sizeof(float));
   static const bool smem_set =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) == cudaSuccess;
@@ -1177,12 +1254,17 @@ void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t m
   if (splits > 1) launch_combine<D, T>(p, num_reqs, query.size(1), query_start_loc, stream);
 }
 
-template <int D, int WARPS_M, typename T>
+template <int D, int WARPS_M, bool FP8, typename T>
 void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
             const Tensor& query_start_loc, const Tensor& out, cudaStream_t stream) {
-  using G = Tiles<D>;
-  auto kernel = nvfp4_paged_attention_kernel<D, WARPS_M, T>;
+  using G = Tiles<D, FP8>;
+  auto kernel = nvfp4_paged_attention_kernel<D, WARPS_M, FP8, T>;
   const int smem_bytes = G::STAGES * G::STAGE_BYTES;
+  if (smem_bytes > 48 * 1024) {  // FP8 keys at head 256
+    static const bool smem_set =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) == cudaSuccess;
+    NVFP4_CHECK(smem_set, "nvfp4_paged_attention: cannot reserve the kernel's shared memory");
+  }
   const int64_t row_tiles = std::max<int64_t>(1, (max_query_len * p.group + 16 * WARPS_M - 1) / (16 * WARPS_M));
   const int64_t ctas = num_reqs * p.layout.num_heads * row_tiles;
   const int64_t tile_bound =
@@ -1206,23 +1288,26 @@ void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_
   if (splits > 1) launch_combine<D, T>(p, num_reqs, query.size(1), query_start_loc, stream);
 }
 
-template <int D, typename T>
+// FP8 keys at head 256 skip the decode kernel: two chunks of its keys in registers would spill.
+template <int D, bool FP8, typename T>
 void dispatch_rows(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
                    const Tensor& query_start_loc, const Tensor& out, cudaStream_t stream) {
   const int64_t rows = max_query_len * p.group;
   const bool swizzle = p.layout.swizzle_v_scales;
-  if (rows <= 8 && swizzle)
-    launch_decode<D, 1, true, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
-  else if (rows <= 8)
-    launch_decode<D, 1, false, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
-  else if (rows <= 16 && swizzle)
-    launch_decode<D, 2, true, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
-  else if (rows <= 16)
-    launch_decode<D, 2, false, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
-  else if (rows <= 32)
-    launch<D, 2, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+  if constexpr (!(FP8 && D == 256)) {
+    if (rows <= 8 && swizzle)
+      return launch_decode<D, 1, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
+    if (rows <= 8)
+      return launch_decode<D, 1, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
+    if (rows <= 16 && swizzle)
+      return launch_decode<D, 2, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
+    if (rows <= 16)
+      return launch_decode<D, 2, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
+  }
+  if (rows <= 32)
+    launch<D, 2, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
   else
-    launch<D, 4, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+    launch<D, 4, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
 }
 
 void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
@@ -1242,7 +1327,8 @@ void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, co
   p.q_head_stride = query.stride(1);
   p.key_cache = static_cast<const uint8_t*>(key_cache.const_data_ptr());
   p.value_cache = static_cast<const uint8_t*>(value_cache.const_data_ptr());
-  p.block_stride = key_cache.stride(0);
+  p.key_block_stride = key_cache.stride(0);
+  p.value_block_stride = value_cache.stride(0);
   p.num_blocks = key_cache.size(0);
   p.block_table = block_table.const_data_ptr<int32_t>();
   p.table_stride = block_table.stride(0);
@@ -1265,23 +1351,30 @@ void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, co
   p.out_head_stride = out.stride(1);
   p.num_tokens = query.size(0);
   const cudaStream_t stream = current_stream(query);
-  auto by_type = [&](auto tag) {
+  auto by_type = [&](auto tag, auto fp8) {
     using T = decltype(tag);
+    constexpr bool FP8 = decltype(fp8)::value;
     switch (layout.head_size) {
       case 64:
-        dispatch_rows<64, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+        dispatch_rows<64, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
         break;
       case 128:
-        dispatch_rows<128, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+        dispatch_rows<128, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
         break;
       default:
-        dispatch_rows<256, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+        dispatch_rows<256, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
     }
   };
+  auto by_keys = [&](auto tag) {
+    if (layout.fp8_keys)
+      by_type(tag, std::true_type{});
+    else
+      by_type(tag, std::false_type{});
+  };
   if (query.scalar_type() == ScalarType::BFloat16)
-    by_type(__nv_bfloat16{});
+    by_keys(__nv_bfloat16{});
   else
-    by_type(__half{});
+    by_keys(__half{});
 }
 
 }  // namespace
