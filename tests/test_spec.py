@@ -154,13 +154,13 @@ def test_layer_checks_name_what_is_unsupported():
         check_nvfp4_layer("nvfp4", AttentionType.DECODER, 80, 8, 2)
 
 
-def tiny_config(**cache):
+def tiny_config(additional_config=None, **cache):
     from vllm.config import CacheConfig, ModelConfig, VllmConfig
 
     from vllm_nvfp4_plugin.tools.models import tiny_llama_path
 
     return VllmConfig(model_config=ModelConfig(model=str(tiny_llama_path()), dtype="bfloat16", max_model_len=2048),
-                      cache_config=CacheConfig(**cache))
+                      cache_config=CacheConfig(**cache), additional_config=additional_config or {})
 
 
 def test_cpu_impl_serves_model_features_refuses_alibi_and_defers_other_dtypes():
@@ -210,3 +210,43 @@ def test_core_metadata_from_vllm_batch():
     assert meta.slot_mapping.tolist() == [0, 1, 2, 40] and meta.causal and meta.num_query_tokens == 4
     with pytest.raises(NotImplementedError, match="causal"):
         core_metadata(common.replace(causal=torch.tensor([True, False])))
+
+
+def fp8_key_layer_spec(config):
+    """vLLM's Attention layer built with `config` current, its spec customized afterwards without it (as vLLM's
+    model runner does)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    with set_current_vllm_config(config):
+        layer = Attention(num_heads=4, head_size=128, scale=0.09, num_kv_heads=2, cache_config=config.cache_config,
+                          prefix="model.layers.0.self_attn.attn", attn_backend=NVFP4CPUAttentionBackend)
+        spec = layer.get_kv_cache_spec(config)
+    return customize_attention_spec(layer.get_attn_backend(), spec)
+
+
+def test_key_format_option_gives_vllm_layers_the_fp8_key_page():
+    config = tiny_config({"vllm_nvfp4_plugin": {"key_format": "fp8"}}, cache_dtype="nvfp4", block_size=16)
+    spec = fp8_key_layer_spec(config)
+    assert spec.page_size_bytes == NVFP4PageLayout(128, 16, 2, fp8_keys=True).page_bytes == 16 * 2 * (128 + 72)
+    plain = fp8_key_layer_spec(tiny_config(cache_dtype="nvfp4", block_size=16))
+    assert plain.page_size_bytes == NVFP4PageLayout(128, 16, 2).page_bytes
+
+
+def test_fp8_keys_kv_cache_dtype_name_where_vllm_can_register_one():
+    """vLLM 0.33's register_kv_cache_dtype: `--kv-cache-dtype nvfp4_k8v4` validates and gives the FP8-key page."""
+    import vllm.config.cache as cache_config
+    from vllm.v1.kv_cache_interface import get_kv_quant_mode
+
+    from vllm_nvfp4_plugin.vllm_adapter import register_kv_cache_dtypes
+
+    if not hasattr(cache_config, "register_kv_cache_dtype"):
+        pytest.skip("this vLLM has no register_kv_cache_dtype (0.32): the key_format option names the page")
+    register_kv_cache_dtypes()
+    register_kv_cache_dtypes()  # idempotent
+    assert cache_config.KV_CACHE_DTYPES.count("nvfp4_k8v4") == 1 and get_kv_quant_mode("nvfp4_k8v4").is_nvfp4
+    spec = fp8_key_layer_spec(tiny_config(cache_dtype="nvfp4_k8v4", block_size=16))
+    assert spec.page_size_bytes == NVFP4PageLayout(128, 16, 2, fp8_keys=True).page_bytes
+    with pytest.raises(ValueError, match="nvfp4_k8v4' keeps FP8 keys, but the plugin's options ask for key_format"):
+        fp8_key_layer_spec(tiny_config({"vllm_nvfp4_plugin": {"key_format": "nvfp4"}}, cache_dtype="nvfp4_k8v4"))

@@ -20,10 +20,41 @@ logger = logging.getLogger("vllm.nvfp4_plugin")
 
 
 def register_all() -> None:
-    """Check the vLLM version, then register the attention backends and the sparse indexer."""
+    """Check the vLLM version, then register the attention backends, the KV-cache dtype names and the sparse
+    indexer."""
     check_vllm_version()
     register_attention_backends()
+    register_kv_cache_dtypes()
     register_indexer()
+
+
+def register_kv_cache_dtypes() -> None:
+    """`--kv-cache-dtype nvfp4_k8v4` (FP8 keys, NVFP4 values) through vLLM's `register_kv_cache_dtype` (0.33): a
+    uint8 cache of vLLM's NVFP4 quant mode, so vLLM hands its spec to the plugin's backends. vLLM 0.32 has no such
+    hook; there the page is `--kv-cache-dtype nvfp4` with the `key_format` option."""
+    try:
+        from vllm.config.cache import KV_CACHE_DTYPES, register_kv_cache_dtype
+    except ImportError:
+        return
+    import torch
+    from vllm.v1.kv_cache_interface import KVQuantMode
+
+    from .spec import FP8_KEYS_KV_CACHE_DTYPE
+
+    if FP8_KEYS_KV_CACHE_DTYPE in KV_CACHE_DTYPES:
+        return
+
+    @register_kv_cache_dtype(FP8_KEYS_KV_CACHE_DTYPE)
+    class FP8KeysNVFP4Values:
+        name = FP8_KEYS_KV_CACHE_DTYPE
+
+        def torch_dtype(self):
+            return torch.uint8
+
+        def quant_mode(self):
+            return KVQuantMode.NVFP4
+
+    logger.info("vllm_nvfp4_plugin registered kv_cache_dtype %r (FP8 keys, NVFP4 values)", FP8_KEYS_KV_CACHE_DTYPE)
 
 
 def register_attention_backends() -> None:

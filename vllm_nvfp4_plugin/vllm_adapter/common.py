@@ -9,7 +9,7 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
 from ..kv_calibration import KEY_FORMATS, KVCalibration, LayerPolicy, load
 from ..attention import NVFP4AttentionMetadata, check_supported, store_kv
-from .spec import NVFP4_4OVER6_KV_CACHE_DTYPE, check_nvfp4_kv_cache_dtype
+from .spec import FP8_KEYS_KV_CACHE_DTYPE, NVFP4_4OVER6_KV_CACHE_DTYPE, check_nvfp4_kv_cache_dtype
 
 
 def effective_sliding_window(sliding_window: int | None, max_model_len: int | None) -> int | None:
@@ -63,7 +63,8 @@ def _plugin_options(config) -> dict:
 
 
 def engine_fp8_keys() -> bool:
-    """Whether the engine's NVFP4 cache keeps FP8 keys: its `key_format` option, else its calibration file's. Read
+    """Whether the engine's NVFP4 cache keeps FP8 keys: `--kv-cache-dtype nvfp4_k8v4`, its `key_format` option, or its
+    calibration file's (they must agree). Read
     while the engine's config is current (model construction builds every layer's impl, which calls this) and
     remembered for vLLM's spec hook (`customize_spec`), which runs later and without the config."""
     from vllm.config import get_current_vllm_config_or_none
@@ -80,7 +81,12 @@ def engine_fp8_keys() -> bool:
     if option is not None and calibration is not None and calibration.key_format != option:
         raise ValueError(f"additional_config {ADDITIONAL_CONFIG_KEY}.{KEY_FORMAT_OPTION} is {option!r} but the KV "
                          f"calibration file says key_format {calibration.key_format!r}")
-    key_format = option or (calibration.key_format if calibration is not None else "nvfp4")
+    key_format = option or (calibration.key_format if calibration is not None else None)
+    if config.cache_config.cache_dtype == FP8_KEYS_KV_CACHE_DTYPE:
+        if key_format == "nvfp4":
+            raise ValueError(f"kv_cache_dtype {FP8_KEYS_KV_CACHE_DTYPE!r} keeps FP8 keys, but the plugin's options "
+                             f"ask for key_format 'nvfp4'")
+        key_format = "fp8"
     _ENGINE_FP8_KEYS = key_format == "fp8"
     return _ENGINE_FP8_KEYS
 

@@ -22,14 +22,18 @@ from ..layout import NVFP4PageLayout
 NVFP4_KV_CACHE_DTYPE = "nvfp4"
 # vLLM's NVFP4 variant whose groups take the max/6 or the max/4 block scale: same page, same read path.
 NVFP4_4OVER6_KV_CACHE_DTYPE = "nvfp4_4over6"
-NVFP4_KV_CACHE_DTYPES = (NVFP4_KV_CACHE_DTYPE, NVFP4_4OVER6_KV_CACHE_DTYPE)
+# FP8 E4M3 keys and NVFP4 values: a name the plugin registers where vLLM has `register_kv_cache_dtype` (0.33); on
+# 0.32 the same page is "nvfp4" with the key_format option.
+FP8_KEYS_KV_CACHE_DTYPE = "nvfp4_k8v4"
+NVFP4_KV_CACHE_DTYPES = (NVFP4_KV_CACHE_DTYPE, NVFP4_4OVER6_KV_CACHE_DTYPE, FP8_KEYS_KV_CACHE_DTYPE)
 # Layouts in which each block's [H, N, C] bytes are one run: head-major (HND) or token-major (NHD) interiors.
 HND_LAYOUTS = (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC)
 NHD_LAYOUTS = (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
 
 
 def check_nvfp4_kv_cache_dtype(kv_cache_dtype: str) -> None:
-    """The plugin serves vLLM's "nvfp4" and "nvfp4_4over6"; other NVFP4 variants are refused."""
+    """The plugin serves vLLM's "nvfp4" and "nvfp4_4over6", and its own "nvfp4_k8v4"; other NVFP4 variants are
+    refused."""
     if kv_cache_dtype.startswith("nvfp4") and kv_cache_dtype not in NVFP4_KV_CACHE_DTYPES:
         raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported by vllm_nvfp4_plugin; "
                                   f"use one of {NVFP4_KV_CACHE_DTYPES}")
