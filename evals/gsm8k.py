@@ -1,11 +1,12 @@
 """gsm8k accuracy regression: lm-eval's own gsm8k task through vLLM, baseline KV cache vs NVFP4.
 
     python -m evals.gsm8k --model DIR_OR_HF_ID [--kv-cache-dtypes auto,nvfp4] [--num-fewshot 5,20]
-        [--limit N] [--data-dir DIR] [--out DIR] [--tolerance 0.02] [--confidence 0.95]
+        [--kv-calibration LABEL=FILE ...] [--limit N] [--data-dir DIR] [--out DIR] [--tolerance 0.02]
 
-The first KV dtype is the baseline; every other one is compared with it question by question
-(see evals/stats.py for the statistics and the verdict rule). Exit status: 0 when every comparison
-passes, 1 when one fails, 2 on bad input (reported before any model loads).
+Each KV mode is a --kv-cache-dtypes value or a --kv-calibration label (kv_cache_dtype nvfp4 with the
+plugin's per-layer policy FILE). The first KV dtype is the baseline; every other mode is compared with
+it question by question (see evals/stats.py for the statistics and the verdict rule). Exit status: 0
+when every comparison passes, 1 when one fails, 2 on bad input (reported before any model loads).
 
 Prompts, answer extraction (`strict-match`, `flexible-extract`) and scoring are lm-eval's: the
 harness calls `lm_eval.simple_evaluate` on the stock `gsm8k` task, or, with --data-dir and/or
@@ -57,6 +58,13 @@ def _csv(kind):
     return parse
 
 
+def _calibration(text: str) -> tuple[str, Path]:
+    label, sep, file = text.partition("=")
+    if not sep or not label.strip() or not file.strip():
+        raise argparse.ArgumentTypeError(f"expected LABEL=FILE, got {text!r}")
+    return label.strip(), Path(file.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m evals.gsm8k", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -67,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=_csv(str),
         default=["auto", "nvfp4"],
         help="comma-separated vLLM kv_cache_dtype values; the first is the baseline (default auto,nvfp4)",
+    )
+    parser.add_argument(
+        "--kv-calibration",
+        type=_calibration,
+        action="append",
+        default=[],
+        metavar="LABEL=FILE",
+        help="another candidate, named LABEL (e.g. nvfp4-auto): kv_cache_dtype nvfp4 with the plugin's per-layer "
+        "policy FILE (written by vllm_nvfp4_plugin.tools.calibrate); repeatable",
     )
     parser.add_argument("--num-fewshot", type=_csv(int), default=[5], help="comma-separated shot counts (default 5)")
     parser.add_argument("--limit", type=int, default=None, help="first N test questions (default: all)")
@@ -165,14 +182,31 @@ def _plugin_installed() -> bool:
 
 def validate(args: argparse.Namespace) -> None:
     """Every check that can fail without a model, so bad input never costs a model load."""
-    if len(set(args.kv_cache_dtypes)) != len(args.kv_cache_dtypes) or len(args.kv_cache_dtypes) < 2:
-        raise UsageError("--kv-cache-dtypes: need a baseline and at least one other, all different")
+    modes = kv_modes(args)
+    if len(set(args.kv_cache_dtypes)) != len(args.kv_cache_dtypes) or len(modes) < 2:
+        raise UsageError("--kv-cache-dtypes: need a baseline and at least one other KV mode, all different")
     supported = supported_kv_cache_dtypes()
     for kv_dtype in args.kv_cache_dtypes:
         if kv_dtype not in supported:
             raise UsageError(
                 f"--kv-cache-dtypes: {kv_dtype!r} is not supported on this platform; supported: {', '.join(supported)}"
             )
+    from typing import get_args
+
+    from vllm.config.cache import CacheDType
+
+    dtype_names = set(supported) | set(get_args(CacheDType))
+    for label, file in args.kv_calibration:
+        option = f"--kv-calibration {label}={file}"
+        if "nvfp4" not in supported:
+            raise UsageError(f"{option}: needs the plugin's nvfp4 KV cache, not available here")
+        if label in dtype_names or modes.count(label) > 1 or not all(c.isalnum() or c in "._-" for c in label):
+            raise UsageError(
+                f"{option}: the label must be new (not a KV dtype name such as 'auto', not used twice) "
+                "and made of letters, digits, '.', '_', '-'"
+            )
+        if not file.is_file():
+            raise UsageError(f"{option}: no such file")
     if any(shots < 0 for shots in args.num_fewshot) or len(set(args.num_fewshot)) != len(args.num_fewshot):
         raise UsageError("--num-fewshot: shot counts must be different integers >= 0")
     if args.limit is not None and args.limit < 1:
@@ -256,7 +290,7 @@ def check_task_loads(manager) -> None:
 
 @dataclass
 class Run:
-    kv_cache_dtype: str
+    mode: str  # a --kv-cache-dtypes value or a --kv-calibration label
     num_fewshot: int
     seconds: float
     metrics: dict  # filter -> {"exact_match": x, "exact_match_stderr": s}
@@ -281,17 +315,34 @@ def vllm_args(args: argparse.Namespace) -> dict:
     }
 
 
-def engine_args(args: argparse.Namespace, kv_cache_dtype: str) -> dict:
-    """Arguments of lm-eval's `vllm` model (the vllm.LLM ones pass through)."""
-    return vllm_args(args) | {
-        "pretrained": args.model,
-        "kv_cache_dtype": kv_cache_dtype,
-        "max_gen_toks": args.max_gen_toks,
-        "batch_size": "auto",  # lm-eval hands vLLM all requests at once (and vLLM shows a bar)
+def kv_modes(args: argparse.Namespace) -> list[str]:
+    """The KV modes in run order: the --kv-cache-dtypes values (the first is the baseline), then the
+    --kv-calibration labels."""
+    return list(args.kv_cache_dtypes) + [label for label, _ in args.kv_calibration]
+
+
+def kv_args(args: argparse.Namespace, mode: str) -> dict:
+    """The vllm.LLM arguments that make a KV mode."""
+    files = dict(args.kv_calibration)
+    if mode not in files:
+        return {"kv_cache_dtype": mode}
+    return {
+        "kv_cache_dtype": "nvfp4",
+        "additional_config": {PLUGIN_MODULE: {"kv_calibration": str(files[mode])}},
     }
 
 
-def collect_run(kv_cache_dtype: str, num_fewshot: int, seconds: float, results: dict) -> Run:
+def engine_args(args: argparse.Namespace, mode: str) -> dict:
+    """Arguments of lm-eval's `vllm` model (the vllm.LLM ones pass through)."""
+    lm_eval_args = {
+        "pretrained": args.model,
+        "max_gen_toks": args.max_gen_toks,
+        "batch_size": "auto",  # lm-eval hands vLLM all requests at once (and vLLM shows a bar)
+    }
+    return vllm_args(args) | kv_args(args, mode) | lm_eval_args
+
+
+def collect_run(mode: str, num_fewshot: int, seconds: float, results: dict) -> Run:
     task_results = results["results"][TASK]
     metrics = {
         f: {METRIC: task_results[f"{METRIC},{f}"], f"{METRIC}_stderr": task_results[f"{METRIC}_stderr,{f}"]}
@@ -314,7 +365,7 @@ def collect_run(kv_cache_dtype: str, num_fewshot: int, seconds: float, results: 
         question[f"{sample['filter']} answer"] = sample["filtered_resps"][0]
     lm_eval_results = {key: results[key] for key in ("results", "versions", "n-shot", "higher_is_better")}
     questions = sorted(by_doc.values(), key=lambda q: q["doc_id"])
-    return Run(kv_cache_dtype, num_fewshot, seconds, metrics, questions, prompts, lm_eval_results)
+    return Run(mode, num_fewshot, seconds, metrics, questions, prompts, lm_eval_results)
 
 
 def run_all(args: argparse.Namespace, manager) -> list[Run]:
@@ -323,12 +374,13 @@ def run_all(args: argparse.Namespace, manager) -> list[Run]:
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     runs = []
-    with tqdm(total=len(args.kv_cache_dtypes) * len(args.num_fewshot), desc="gsm8k runs", unit="run") as bar:
-        for kv_cache_dtype in args.kv_cache_dtypes:
-            bar.set_postfix_str(f"kv={kv_cache_dtype} loading")
-            lm = get_model("vllm")(**engine_args(args, kv_cache_dtype))
+    modes = kv_modes(args)
+    with tqdm(total=len(modes) * len(args.num_fewshot), desc="gsm8k runs", unit="run") as bar:
+        for mode in modes:
+            bar.set_postfix_str(f"kv={mode} loading")
+            lm = get_model("vllm")(**engine_args(args, mode))
             for shots in args.num_fewshot:
-                bar.set_postfix_str(f"kv={kv_cache_dtype} {shots}-shot")
+                bar.set_postfix_str(f"kv={mode} {shots}-shot")
                 start = time.perf_counter()
                 results = lm_eval.simple_evaluate(
                     model=lm,
@@ -342,7 +394,7 @@ def run_all(args: argparse.Namespace, manager) -> list[Run]:
                     torch_random_seed=args.seed,
                     fewshot_random_seed=args.seed,
                 )
-                run = collect_run(kv_cache_dtype, shots, time.perf_counter() - start, results)
+                run = collect_run(mode, shots, time.perf_counter() - start, results)
                 # lm-eval only logs a warning when it cuts a prompt to fit; count them into the report
                 lengths = map(len, lm.tok_encode(list(run.prompts.values())))
                 run.truncated_prompts = sum(n + args.max_gen_toks > lm.max_length for n in lengths)
@@ -357,30 +409,31 @@ def run_all(args: argparse.Namespace, manager) -> list[Run]:
 
 
 def measure_fidelity(runs: list[Run], args: argparse.Namespace) -> list[dict]:
-    """Teacher-forced next-token agreement of each candidate KV dtype with the baseline, on lm-eval's
+    """Teacher-forced next-token agreement of each candidate KV mode with the baseline, on lm-eval's
     prompts of the first shot count followed by the reference answers. The plugin's measure reads
     only decode steps, whose query attends to the context through the (quantized) paged cache."""
-    from vllm_nvfp4_plugin.tools.fidelity import teacher_forced_agreement
+    from vllm_nvfp4_plugin.tools.fidelity import teacher_forced_comparison
 
     baseline_dtype, shots = args.kv_cache_dtypes[0], args.num_fewshot[0]
-    baseline = next(r for r in runs if r.kv_cache_dtype == baseline_dtype and r.num_fewshot == shots)
+    baseline = next(r for r in runs if r.mode == baseline_dtype and r.num_fewshot == shots)
     chosen = baseline.questions[: args.fidelity_questions]
     prompts = [baseline.prompts[q["doc_id"]] for q in chosen]
     answers = [" " + q["target"] for q in chosen]  # the prompt ends in "Answer:"; few-shot answers follow a space
-    rows = []
-    for candidate in tqdm(args.kv_cache_dtypes[1:], desc="KV fidelity", unit="dtype"):
-        start = time.perf_counter()
-        result = teacher_forced_agreement(
+    candidates = {mode: kv_args(args, mode) for mode in kv_modes(args)[1:]}
+    start = time.perf_counter()
+    with tqdm(total=1 + len(candidates), desc="KV fidelity", unit="engine") as bar:
+        results = teacher_forced_comparison(
             args.model,
             prompts,
+            candidates,
             answers,
-            kv_cache_dtype=candidate,
             reference_kv_cache_dtype=baseline_dtype,
             max_continuation_tokens=args.fidelity_tokens,
+            on_engine_done=lambda: bar.update(1),
             **vllm_args(args),
         )
-        rows.append(asdict(result) | {"num_fewshot": shots, "seconds": round(time.perf_counter() - start, 1)})
-    return rows
+    seconds = round(time.perf_counter() - start, 1)  # all engines, the reference's included
+    return [asdict(result) | {"num_fewshot": shots, "seconds": seconds} for result in results.values()]
 
 
 # ---------------------------------------------------------------- comparison and outputs
@@ -388,17 +441,17 @@ def measure_fidelity(runs: list[Run], args: argparse.Namespace) -> list[dict]:
 
 def compare_runs(runs: list[Run], args: argparse.Namespace) -> list[dict]:
     baseline_dtype = args.kv_cache_dtypes[0]
-    baselines = {run.num_fewshot: run for run in runs if run.kv_cache_dtype == baseline_dtype}
+    baselines = {run.num_fewshot: run for run in runs if run.mode == baseline_dtype}
     rows = []
     for run in runs:
-        if run.kv_cache_dtype == baseline_dtype:
+        if run.mode == baseline_dtype:
             continue
         baseline = baselines[run.num_fewshot]
         base_prompts = {q["doc_id"]: q["prompt_hash"] for q in baseline.questions}
         cand_prompts = {q["doc_id"]: q["prompt_hash"] for q in run.questions}
         if base_prompts != cand_prompts:
             raise RuntimeError(
-                f"kv={run.kv_cache_dtype} {run.num_fewshot}-shot did not see the same prompts as the baseline; "
+                f"kv={run.mode} {run.num_fewshot}-shot did not see the same prompts as the baseline; "
                 "the comparison would not be paired"
             )
         doc_ids = sorted(base_prompts)
@@ -415,7 +468,7 @@ def compare_runs(runs: list[Run], args: argparse.Namespace) -> list[dict]:
             rows.append(
                 {
                     "baseline": baseline_dtype,
-                    "candidate": run.kv_cache_dtype,
+                    "candidate": run.mode,
                     "num_fewshot": run.num_fewshot,
                     "filter": filter_name,
                 }
@@ -442,7 +495,7 @@ def markdown_report(
     # one lm-eval table with a row block per (KV dtype, shots): the task key carries the setting
     merged = {"results": {}, "versions": {}, "n-shot": {}, "higher_is_better": {}}
     for run in runs:
-        key = f"{TASK} kv={run.kv_cache_dtype}"
+        key = f"{TASK} kv={run.mode}"
         if len(args.num_fewshot) > 1:
             key += f" {run.num_fewshot}-shot"
         merged["results"][key] = dict(run.lm_eval_results["results"][TASK], alias=key)
@@ -450,7 +503,7 @@ def markdown_report(
         merged["n-shot"][key] = run.num_fewshot
         merged["higher_is_better"][key] = run.lm_eval_results["higher_is_better"][TASK]
     lines = [
-        f"# gsm8k: KV cache {args.kv_cache_dtypes[0]} vs {', '.join(args.kv_cache_dtypes[1:])}",
+        f"# gsm8k: KV cache {args.kv_cache_dtypes[0]} vs {', '.join(kv_modes(args)[1:])}",
         "",
         (
             f"model `{args.model}`, {len(runs[0].questions)} questions, "
@@ -479,7 +532,7 @@ def markdown_report(
         if run.truncated_prompts:
             lines += [
                 (
-                    f"Warning: kv={run.kv_cache_dtype} {run.num_fewshot}-shot: {run.truncated_prompts} prompts were "
+                    f"Warning: kv={run.mode} {run.num_fewshot}-shot: {run.truncated_prompts} prompts were "
                     "truncated from the left to fit max_model_len (raise --max-model-len)"
                 ),
                 "",
@@ -511,16 +564,16 @@ def plot(runs: list[Run], args: argparse.Namespace, path: Path) -> None:
     import numpy as np
 
     shots = args.num_fewshot
-    dtypes = args.kv_cache_dtypes
-    width = 0.8 / len(dtypes)
+    modes = kv_modes(args)
+    width = 0.8 / len(modes)
     fig, axes = plt.subplots(1, len(FILTERS), figsize=(5 * len(FILTERS), 4), sharey=True)
     for axis, filter_name in zip(axes, FILTERS):
-        for i, kv_dtype in enumerate(dtypes):
-            by_shots = {r.num_fewshot: r.metrics[filter_name] for r in runs if r.kv_cache_dtype == kv_dtype}
+        for i, mode in enumerate(modes):
+            by_shots = {r.num_fewshot: r.metrics[filter_name] for r in runs if r.mode == mode}
             values = [by_shots[s][METRIC] for s in shots]
             errors = [by_shots[s][f"{METRIC}_stderr"] for s in shots]
-            x = np.arange(len(shots)) + (i - (len(dtypes) - 1) / 2) * width
-            bars = axis.bar(x, values, width, yerr=errors, capsize=4, label=f"KV {kv_dtype}")
+            x = np.arange(len(shots)) + (i - (len(modes) - 1) / 2) * width
+            bars = axis.bar(x, values, width, yerr=errors, capsize=4, label=f"KV {mode}")
             axis.bar_label(bars, fmt="%.3f", padding=2)
         axis.set_xticks(np.arange(len(shots)), [f"{s}-shot" for s in shots])
         axis.set_title(filter_name)
@@ -530,7 +583,7 @@ def plot(runs: list[Run], args: argparse.Namespace, path: Path) -> None:
     axes[0].set_ylabel("gsm8k exact match (± stderr)")
     axes[-1].legend()
     n = len(runs[0].questions)
-    fig.suptitle(f"{Path(args.model).name}: gsm8k, {n} questions, KV cache dtype")
+    fig.suptitle(f"{Path(args.model).name}: gsm8k, {n} questions, KV cache mode")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -559,11 +612,15 @@ def main(argv: list[str] | None = None) -> int:
 
     report = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-        | {"engine_args": {kv: engine_args(args, kv) for kv in args.kv_cache_dtypes}, "task": TASK},
+        | {
+            "kv_calibration": {label: str(file) for label, file in args.kv_calibration},
+            "engine_args": {mode: engine_args(args, mode) for mode in kv_modes(args)},
+            "task": TASK,
+        },
         "versions": versions(),
         "runs": [
             {
-                "kv_cache_dtype": r.kv_cache_dtype,
+                "mode": r.mode,
                 "num_fewshot": r.num_fewshot,
                 "seconds": round(r.seconds, 1),
                 "n": len(r.questions),

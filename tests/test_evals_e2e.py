@@ -58,12 +58,34 @@ def test_vendored_subset_has_the_upstream_format_and_its_license():
         (lambda tmp, model: ["--model", str(model), "--kv-cache-dtypes", "auto"], "need a baseline and at least one"),
         (lambda tmp, model: ["--model", str(model), "--tolerance", "1.5"], "--tolerance must be"),
         (lambda tmp, model: ["--model", str(model), "--limit", "0"], "--limit must be >= 1"),
+        (
+            lambda tmp, model: ["--model", str(model), "--kv-calibration", f"nvfp4-auto={tmp / 'none.json'}"],
+            "--kv-calibration nvfp4-auto=.*none.json: no such file",
+        ),
+        (
+            lambda tmp, model: ["--model", str(model), "--kv-calibration", f"auto={model / 'config.json'}"],
+            "--kv-calibration auto=.*: the label must be new",
+        ),
     ],
 )
 def test_bad_input_is_reported_before_any_model_loads(make_args, message, tmp_path, smollm2, harness_env, capsys):
     argv = make_args(tmp_path, smollm2) + ["--out", str(tmp_path / "out")]
     assert gsm8k.main(argv) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_calibration_is_an_nvfp4_candidate_with_its_policy_file(tmp_path):
+    policy = tmp_path / "calibration_auto.json"
+    argv = ["--model", "m", "--kv-cache-dtypes", "auto,nvfp4", "--kv-calibration", f"nvfp4-auto={policy}"]
+    args = gsm8k.build_parser().parse_args(argv)
+    assert gsm8k.kv_modes(args) == ["auto", "nvfp4", "nvfp4-auto"]
+    assert gsm8k.engine_args(args, "nvfp4")["kv_cache_dtype"] == "nvfp4"
+    assert "additional_config" not in gsm8k.engine_args(args, "nvfp4")
+    engine = gsm8k.engine_args(args, "nvfp4-auto")
+    assert engine["kv_cache_dtype"] == "nvfp4" and engine["pretrained"] == "m"
+    assert engine["additional_config"] == {"vllm_nvfp4_plugin": {"kv_calibration": str(policy)}}
+    with pytest.raises(SystemExit):
+        gsm8k.build_parser().parse_args(argv[:-1] + ["nvfp4-auto"])  # no =FILE
 
 
 def _run(kv_cache_dtype, outcomes, prompt="p"):
@@ -119,7 +141,7 @@ def test_end_to_end_bf16_vs_nvfp4_on_smollm2(tmp_path, smollm2):
     for name in ("vllm", "lm_eval", "torch", "vllm-nvfp4-plugin"):
         assert report["versions"][name]
 
-    runs = {run["kv_cache_dtype"]: run for run in report["runs"]}
+    runs = {run["mode"]: run for run in report["runs"]}
     assert set(runs) == {"auto", "nvfp4"} and all(run["num_fewshot"] == 5 for run in runs.values())
     upstream = [json.loads(line) for line in (DATA / "test.jsonl").read_text().splitlines()[:3]]
     for run in runs.values():
