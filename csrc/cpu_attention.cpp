@@ -320,8 +320,9 @@ struct E4m3Values {
 };
 const E4m3Values E4M3;
 
-// Where a tile's keys sit: per key, its codes (FP8 keys: its bytes) and scales on both sides. Tiles start at multiples of TILE, so a
-// key has the same lane whatever range of keys is read; lanes outside [first, n) hold no key and are not read.
+// Where a tile's keys sit: per key, its codes (FP8 keys: its bytes) and scales on both sides. Tiles start at multiples
+// of TILE, so a key has the same lane whatever range of keys is read; lanes outside [first, n) hold no key and are not
+// read.
 struct TileTokens {
   int first, n;
   const uint8_t* key_data[TILE];

@@ -15,7 +15,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.tools.paged_case import PagedCase, relative_l2
-from vllm_nvfp4_plugin.vllm_adapter import register_attention_backends
+from vllm_nvfp4_plugin.vllm_adapter import common as adapter_common, register_attention_backends
 from vllm_nvfp4_plugin.vllm_adapter.cuda_backend import (NVFP4CudaBackend, NVFP4CudaMetadataBuilder,
                                                          shared_decode_params)
 from vllm_nvfp4_plugin.vllm_adapter.spec import page_view
@@ -84,7 +84,7 @@ def attention_layer(vllm_config, num_heads=8, head_size=128, scale=0.1, num_kv_h
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"cache_dtype": "auto"}, ValueError, "kv_cache_dtype in \\('nvfp4', 'nvfp4_4over6'\\) only"),
+    ({"cache_dtype": "auto"}, ValueError, "kv_cache_dtype in \\('nvfp4', 'nvfp4_4over6', 'nvfp4_k8v4'\\) only"),
     ({"per_layer_sliding_window": 0}, ValueError, "sliding_window must be positive"),
     ({"sinks": torch.zeros(4)}, ValueError, "sinks must have one value per query head"),
     ({"alibi_slopes": [0.5] * 8}, NotImplementedError, "does not support ALiBi"),
@@ -204,3 +204,51 @@ def test_model_features_reach_the_kernel(vllm_config, features, device):
     got = output.view(query.shape)
     assert relative_l2(got.cpu(), want.cpu()) <= 1e-2
     assert relative_l2(got.cpu(), plain.cpu()) > 5e-2, "the features must change the output"
+
+
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+def test_fp8_key_page_through_the_backend(hnd, device, monkeypatch):
+    """key_format "fp8": the FP8-key page, and build → store → forward (on CUDA the plugin's kernel decodes, FlashInfer
+    reading NVFP4 keys only; off CUDA the core) matches the reference over the same pages."""
+    monkeypatch.setattr(adapter_common, "_ENGINE_FP8_KEYS", False)  # the process-wide key format goes back after
+    gen = torch.Generator().manual_seed(3 + hnd)
+    heads, kv_heads, d, block = 8, 2, 128, 16
+    requests = [(1, 45), (1, 3), (6, 38), (17, 17)]
+    config = VllmConfig(cache_config=CacheConfig(cache_dtype="nvfp4"),
+                        additional_config={"vllm_nvfp4_plugin": {"key_format": "fp8"}})
+    with set_current_vllm_config(config):
+        layer = attention_layer(config, heads, d, d ** -0.5, kv_heads)
+    layer._k_scale.fill_(K_SCALE)
+    layer._v_scale.fill_(V_SCALE)
+    layer._k_scale, layer._v_scale = layer._k_scale.to(device), layer._v_scale.to(device)
+    layer._k_scale_float, layer._v_scale_float = K_SCALE, V_SCALE
+    with set_current_vllm_config(config):
+        spec = NVFP4CudaBackend.customize_spec(FullAttentionSpec(
+            block_size=block, num_kv_heads=kv_heads, head_size=d, dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4))
+        assert (spec.num_heads, spec.state_content_bytes) == (kv_heads, d + 72)
+        builder = NVFP4CudaMetadataBuilder(spec, [layer.layer_name], config, torch.device(device))
+    case = PagedCase(requests, NVFP4PageLayout(d, block, kv_heads), heads, gen)
+    physical = (case.num_blocks, kv_heads, block, d + 72) if hnd else (case.num_blocks, block, kv_heads, d + 72)
+    kv_cache = torch.full(physical, 0xEE, dtype=torch.uint8, device=device)
+    kv_cache = kv_cache if hnd else kv_cache.permute(0, 2, 1, 3)
+    earlier_key, earlier_value, earlier_slots = (t.to(device) for t in case.earlier_tokens())
+    layer.impl.do_kv_cache_update(layer, earlier_key, earlier_value, kv_cache, earlier_slots)
+    query, key, value, slot_mapping = (t.to(device) for t in case.step())
+    query_start_cpu = case.query_start_loc()
+    query_start, block_table = query_start_cpu.to(device), case.block_table.to(device)
+    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start, query_start_loc_cpu=query_start_cpu, seq_lens=seq_lens.to(device),
+        num_reqs=len(requests), num_actual_tokens=int(query_start_cpu[-1]), max_query_len=17, max_seq_len=45,
+        block_table_tensor=block_table, slot_mapping=slot_mapping, seq_lens_cpu_upper_bound=seq_lens)
+    metadata = builder.build(0, common)
+    layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+    output = torch.empty(query.shape[0], heads * d, dtype=torch.bfloat16, device=device)
+    layer.impl.forward(layer, query, key, value, kv_cache, metadata, output)
+
+    key_cache, value_cache = page_view(kv_cache, kv_heads)
+    assert NVFP4PageLayout.from_caches(key_cache, value_cache).fp8_keys
+    want = torch.empty_like(query)
+    reference.nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start, seq_lens.to(device),
+                                    layer._k_scale, layer._v_scale, d ** -0.5, True, False, 17, 45, want)
+    assert relative_l2(output.view(query.shape).cpu(), want.cpu()) <= 1e-2

@@ -10,6 +10,7 @@ from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.attention import store_kv
 from vllm_nvfp4_plugin.attention import MODEL_FEATURES
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
+from vllm_nvfp4_plugin.vllm_adapter import common
 from vllm_nvfp4_plugin.vllm_adapter.common import check_nvfp4_layer, core_metadata
 from vllm_nvfp4_plugin.vllm_adapter.cpu_backend import NVFP4CPUAttentionBackend
 from vllm_nvfp4_plugin.vllm_adapter.spec import HND_LAYOUTS, NHD_LAYOUTS, customize_nvfp4_spec, page_view
@@ -226,7 +227,8 @@ def fp8_key_layer_spec(config):
     return customize_attention_spec(layer.get_attn_backend(), spec)
 
 
-def test_key_format_option_gives_vllm_layers_the_fp8_key_page():
+def test_key_format_option_gives_vllm_layers_the_fp8_key_page(monkeypatch):
+    monkeypatch.setattr(common, "_ENGINE_FP8_KEYS", False)  # the process-wide key format goes back after the test
     config = tiny_config({"vllm_nvfp4_plugin": {"key_format": "fp8"}}, cache_dtype="nvfp4", block_size=16)
     spec = fp8_key_layer_spec(config)
     assert spec.page_size_bytes == NVFP4PageLayout(128, 16, 2, fp8_keys=True).page_bytes == 16 * 2 * (128 + 72)
@@ -234,8 +236,9 @@ def test_key_format_option_gives_vllm_layers_the_fp8_key_page():
     assert plain.page_size_bytes == NVFP4PageLayout(128, 16, 2).page_bytes
 
 
-def test_fp8_keys_kv_cache_dtype_name_where_vllm_can_register_one():
+def test_fp8_keys_kv_cache_dtype_name_where_vllm_can_register_one(monkeypatch):
     """vLLM 0.33's register_kv_cache_dtype: `--kv-cache-dtype nvfp4_k8v4` validates and gives the FP8-key page."""
+    monkeypatch.setattr(common, "_ENGINE_FP8_KEYS", False)
     import vllm.config.cache as cache_config
     from vllm.v1.kv_cache_interface import get_kv_quant_mode
 

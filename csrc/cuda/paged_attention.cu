@@ -48,28 +48,29 @@ namespace {
 
 constexpr int ATTN_THREADS = 128;
 constexpr int ATTN_WARPS = ATTN_THREADS / WARP;
-constexpr int TILE = 64;             // KV tokens per pipeline stage
-constexpr int STEP = 16;             // tokens per warp step: two n8 blocks of S, one k16 block of P·V
-constexpr int STAGE_BUDGET = 36864;  // bytes of shared memory for the stage ring (under the 48 KB default)
+constexpr int TILE = 64;                 // KV tokens per pipeline stage
+constexpr int STEP = 16;                 // tokens per warp step: two n8 blocks of S, one k16 block of P·V
+constexpr int STAGE_BUDGET = 36864;      // bytes of shared memory for the stage ring (under the 48 KB default)
 constexpr int FP8_STAGE_BUDGET = 49152;  // FP8 keys: 3 / 7 stages at head 128 / 64 (head 256: two, 50 KB, opted in)
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float CODE_UNIT = 16384.0f;  // 2^14: a decoded code is its E2M1 value / 2^14
 
 template <int D, bool FP8>
 struct Tiles {
-  static constexpr int DATA = D / 2;                 // code bytes of one (token, head)
-  static constexpr int SCALES = D / 16;              // scale bytes of one (token, head)
-  static constexpr int K_ROW = FP8 ? D : DATA;       // K bytes of one (token, head): FP8 keys or codes
+  static constexpr int DATA = D / 2;            // code bytes of one (token, head)
+  static constexpr int SCALES = D / 16;         // scale bytes of one (token, head)
+  static constexpr int K_ROW = FP8 ? D : DATA;  // K bytes of one (token, head): FP8 keys or codes
   static constexpr int K_DATA = 0, V_DATA = TILE * K_ROW, K_SCALES = V_DATA + TILE * DATA;
   static constexpr int V_SCALES = K_SCALES + (FP8 ? 0 : TILE * SCALES);
   static constexpr int STAGE_BYTES = V_SCALES + TILE * SCALES;
   static constexpr int BUDGET = FP8 ? FP8_STAGE_BUDGET : STAGE_BUDGET;
-  static constexpr int STAGES = BUDGET / STAGE_BYTES > 2 ? BUDGET / STAGE_BYTES : 2;  // NVFP4: 8 / 4 / 2 (head 64 / 128 / 256)
-  static constexpr int Q_CHUNK = D / 4;                      // query elements (K codes) of one lane's quarter of a row
-  static constexpr int K_WORDS = D / 32;                     // 8-element groups of that quarter (a code word each)
-  static constexpr int V_WORDS = D / 64;                     // code words of one lane's eighth of a V row
-  static constexpr int KSTEPS = D / 16;                      // k16 steps of Q·K^T
-  static constexpr int VBLOCKS = D / 8;                      // n8 blocks of the output
+  static constexpr int STAGES =
+      BUDGET / STAGE_BYTES > 2 ? BUDGET / STAGE_BYTES : 2;  // NVFP4: 8 / 4 / 2 (head 64 / 128 / 256)
+  static constexpr int Q_CHUNK = D / 4;                     // query elements (K codes) of one lane's quarter of a row
+  static constexpr int K_WORDS = D / 32;                    // 8-element groups of that quarter (a code word each)
+  static constexpr int V_WORDS = D / 64;                    // code words of one lane's eighth of a V row
+  static constexpr int KSTEPS = D / 16;                     // k16 steps of Q·K^T
+  static constexpr int VBLOCKS = D / 8;                     // n8 blocks of the output
   static_assert(STAGES >= 2, "the stage ring needs two stages");
 };
 
@@ -625,7 +626,7 @@ struct DecodeShape {
   static constexpr int K_ROW = FP8 ? D : D / 2;  // K bytes of one (key, head)
   static constexpr int K_BYTES = K_ROW / 4;      // one lane's quarter of a K row
   static constexpr int K_WORDS = K_BYTES / 4;
-  static constexpr int K_GROUPS = D / 32;        // 8-element groups of that quarter
+  static constexpr int K_GROUPS = D / 32;  // 8-element groups of that quarter
   static constexpr int K_SCALES = D / 64;  // its block scales
   static constexpr int V_BYTES = D / 16;   // one lane's eighth of a V row
   static constexpr int V_WORDS = D / 64;
@@ -849,7 +850,7 @@ __device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, ui
 // Three CTAs an SM where the registers allow (168 a thread), two for the wide cases (head 256, or 16 query rows).
 // FP8 keys hold twice the K bytes in flight: two CTAs an SM from head 128 (head 256 runs the fused kernel).
 template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
-__global__ void __launch_bounds__(DECODE_THREADS, D* NB * (FP8 ? 2 : 1) >= 256 ? 2 : 3)
+__global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 ? 2 : 3)
     nvfp4_paged_decode_kernel(Params p) {
   using S = DecodeShape<D, FP8>;
   constexpr int QROWS = 8 * NB;
@@ -1064,7 +1065,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, D* NB * (FP8 ? 2 : 1) >= 256 ?
   };
   DecodeChunk<D, FP8> even, odd;
   int2 next_blocks = blocks_of(1);
-  if (mine > 0) load_chunk<D, SWIZZLE, FP8>(even, p, offsets, table_row, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
+  if (mine > 0)
+    load_chunk<D, SWIZZLE, FP8>(even, p, offsets, table_row, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
   for (int i = 0; i < mine; i += 2) {
     int2 later = blocks_of(i + 2);
     if (i + 1 < mine)
@@ -1298,11 +1300,13 @@ void dispatch_rows(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t m
     if (rows <= 8 && swizzle)
       return launch_decode<D, 1, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
     if (rows <= 8)
-      return launch_decode<D, 1, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
+      return launch_decode<D, 1, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc,
+                                                stream);
     if (rows <= 16 && swizzle)
       return launch_decode<D, 2, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
     if (rows <= 16)
-      return launch_decode<D, 2, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
+      return launch_decode<D, 2, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc,
+                                                stream);
   }
   if (rows <= 32)
     launch<D, 2, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);

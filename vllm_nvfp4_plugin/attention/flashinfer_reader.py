@@ -27,7 +27,7 @@ import torch
 
 from .. import ops
 from ..layout import NVFP4PageLayout
-from .core import DequantWorkspace, paged_attention
+from .core import DequantWorkspace, cache_sides, paged_attention
 from .metadata import NVFP4AttentionMetadata
 
 SWIZZLE_V_SCALES = False  # fa2 and the core's gather both read linear V scales
@@ -194,7 +194,7 @@ def plugin_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata
     if metadata.max_query_len <= 0 or metadata.max_seq_len <= 0:
         raise ValueError(f"metadata needs positive host-side bounds max_query_len and max_seq_len for the plugin "
                          f"kernel's launch, got {metadata.max_query_len} and {metadata.max_seq_len}")
-    ops.nvfp4_paged_attention(query, kv_cache[:, 0], kv_cache[:, 1], metadata.block_table, metadata.query_start_loc,
+    ops.nvfp4_paged_attention(query, *cache_sides(kv_cache), metadata.block_table, metadata.query_start_loc,
                               metadata.seq_lens, k_scale, v_scale, scale, metadata.causal, SWIZZLE_V_SCALES,
                               metadata.max_query_len, metadata.max_seq_len, out, sliding_window, logits_soft_cap,
                               sinks)
@@ -261,7 +261,7 @@ class DequantPrefill:
         if self._cu_seq_lens is None:
             raise RuntimeError("DequantPrefill.run called before plan")
         key, value = self._kv.get(self._num_kv_tokens, *self._heads, self.device, self._dtype)
-        ops.gather_nvfp4_kv_cache(kv_cache[:, 0], kv_cache[:, 1], block_table, self._cu_seq_lens, k_scale, v_scale,
+        ops.gather_nvfp4_kv_cache(*cache_sides(kv_cache), block_table, self._cu_seq_lens, k_scale, v_scale,
                                   SWIZZLE_V_SCALES, key, value)
         n = self._num_q_tokens
         return self._wrapper.run(query[:n], key, value, out=out[:n])
@@ -330,14 +330,14 @@ def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     if isinstance(batch, KernelBatch):
         n = batch.num_decode_tokens
         if batch.decoder is not None:
-            batch.decoder.run(query[:n], kv_cache[:, 0], kv_cache[:, 1], k_scale_float, v_scale_float, out[:n])
+            batch.decoder.run(query[:n], *cache_sides(kv_cache), k_scale_float, v_scale_float, out[:n])
         elif batch.decodes is not None:
             plugin_paged_attention(query[:n], kv_cache, batch.decodes, scale, k_scale, v_scale, out[:n])
         batch.prefill.run(query[n:], kv_cache, batch.prefill_block_table, k_scale, v_scale, out[n:])
         return out
     n = batch.num_decodes
     if n:
-        batch.decoder.run(query[:n], kv_cache[:, 0], kv_cache[:, 1], k_scale_float, v_scale_float, out[:n])
+        batch.decoder.run(query[:n], *cache_sides(kv_cache), k_scale_float, v_scale_float, out[:n])
     if batch.rest is not None:
         paged_attention(query[n:], kv_cache, batch.rest, scale, k_scale, v_scale, out[n:],
                         swizzle_v_scales=SWIZZLE_V_SCALES, workspace=workspace, **features)

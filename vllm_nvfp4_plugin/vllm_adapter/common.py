@@ -71,7 +71,7 @@ def engine_fp8_keys() -> bool:
 
     global _ENGINE_FP8_KEYS
     config = get_current_vllm_config_or_none()
-    if config is None or config.model_config is None:
+    if config is None:
         return _ENGINE_FP8_KEYS
     option = _plugin_options(config).get(KEY_FORMAT_OPTION)
     if option is not None and option not in KEY_FORMATS:

@@ -42,7 +42,7 @@ from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaB
                                            FlashInferNVFP4Decoder, KernelBatch, cuda_paged_attention,
                                            dequant_prefill_unavailable_reason, flashinfer_decode_unavailable_reason,
                                            plan_batch, plan_kernel_batch)
-from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
+from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view, spec_has_fp8_keys
 from .common import (LayerKVPolicy, LayerPolicyOwner, check_nvfp4_layer, core_metadata, current_max_model_len,
                      effective_sliding_window, engine_fp8_keys, engine_kv_calibration)
 
@@ -168,6 +168,10 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
             logger.info_once("vllm_nvfp4_plugin: layers %s use a sliding window, soft-cap or sinks: decode and "
                              "prefill through the plugin's CUDA kernel", ", ".join(layer_names))
             return
+        if self._reader == "fa2" and spec_has_fp8_keys(kv_cache_spec):
+            self._reader = "plugin"
+            logger.info_once("vllm_nvfp4_plugin: FP8 keys: decode through the plugin's CUDA kernel (FlashInfer reads "
+                             "NVFP4 keys only)")
         fa2_reason = flashinfer_decode_unavailable_reason(kv_cache_spec.head_size, device)
         prefill_reason = dequant_prefill_unavailable_reason(kv_cache_spec.head_size, device)
         needs_params = (self._reader == "fa2" and fa2_reason is None) or prefill_reason is None
@@ -243,12 +247,10 @@ class NVFP4CudaImpl(LayerPolicyOwner, AttentionImpl[CudaBatch | KernelBatch | NV
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.calibration = engine_kv_calibration()  # raises here, at engine start, on a file that does not fit
-        if engine_fp8_keys():
-            raise NotImplementedError("vllm_nvfp4_plugin: FP8 E4M3 keys (key_format 'fp8') are served by the CPU "
-                                      "backend only; on CUDA use NVFP4 keys")
         self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
-        logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CUDA (head size %d, %d query / %d KV heads)",
-                         head_size, num_heads, num_kv_heads)
+        keys = "FP8 E4M3" if engine_fp8_keys() else "NVFP4"  # read here, with the config current, for customize_spec
+        logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CUDA, %s keys (head size %d, %d query / %d "
+                         "KV heads)", keys, head_size, num_heads, num_kv_heads)
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

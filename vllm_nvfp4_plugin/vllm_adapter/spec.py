@@ -57,6 +57,11 @@ def customize_nvfp4_spec(spec: AttentionSpec, fp8_keys: bool = False) -> Attenti
     return replace(spec, num_head_slots=2 * spec.num_kv_heads, state_content_bytes=layout.full_dim)
 
 
+def spec_has_fp8_keys(spec: AttentionSpec) -> bool:
+    """Whether `customize_nvfp4_spec` packed `spec` as the FP8-key page (one head slot per KV head)."""
+    return spec.state_content_bytes is not None and spec.num_head_slots == spec.num_kv_heads
+
+
 def page_view(kv_cache: torch.Tensor, num_kv_heads: int):
     """vLLM's layer view `[num_blocks, 2·num_kv_heads, block_size, full_dim]` (NHD or HND layouts above) as
     the `[num_blocks, 2, block_size, num_kv_heads, full_dim]` cache of docs/FORMATS.md, over the same bytes; an FP8-key
