@@ -13,6 +13,9 @@ Optional keys: "logprobs": k adds each generated token's k most likely tokens' l
 pages from the n-th attention batch on (a deliberately wrong page, to prove the tests catch one).
 When the job passes "disable_log_stats": false, the result also holds "counters", every vLLM counter metric
 (vllm:num_preemptions, vllm:prefix_cache_hits, ...) summed over engines, and "num_preemptions" among them.
+Several workloads in one engine: "workloads": [{"batches": [...], "max_tokens": n}, ...] instead of "batches" and
+"max_tokens". Before each workload after the first the prefix cache is reset, so none reads another's blocks; the
+result then holds "workloads", per workload its "outputs", "counters" (what it added to them) and "num_preemptions".
 A fidelity job: {"fidelity": {teacher_forced_agreement kwargs}} → the FidelityResult's fields; a comparison job:
 {"comparison": {teacher_forced_comparison kwargs}} → {label: the FidelityResult's fields}.
 """
@@ -53,16 +56,42 @@ def main(job: dict) -> None:
         print("RESULT " + json.dumps({label: asdict(result) for label, result in results.items()}))
         return
 
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
 
     if "plant_foreign_block_after" in job:
         plant_foreign_block(job["plant_foreign_block_after"])
     llm = LLM(job["model"], **job["llm"])
     cache = llm.llm_engine.vllm_config.cache_config
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], logprobs=job.get("logprobs"),
+    stats = not job["llm"].get("disable_log_stats", True)
+    workloads = job.get("workloads") or [{"batches": job["batches"], "max_tokens": job["max_tokens"]}]
+    results = []
+    for k, workload in enumerate(workloads):
+        if k and not llm.reset_prefix_cache():
+            raise RuntimeError("vLLM did not reset its prefix cache between workloads")
+        before = counters(llm) if stats else None
+        results.append({"outputs": generate(llm, workload["batches"], workload["max_tokens"], job)})
+        if stats:
+            after = counters(llm)
+            results[-1]["counters"] = {name: value - before.get(name, 0) for name, value in after.items()}
+            results[-1]["num_preemptions"] = results[-1]["counters"]["vllm:num_preemptions"]
+    kv_tokens = cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
+    result = {"kv_tokens": kv_tokens, "block_size": cache.block_size}
+    if "workloads" in job:
+        result["workloads"] = results
+    else:
+        result |= {"outputs": results[0]["outputs"], "counters": results[0].get("counters"),
+                   "num_preemptions": results[0].get("num_preemptions")}
+    print("RESULT " + json.dumps(result))
+
+
+def generate(llm, batches: list, max_tokens: int, job: dict) -> list[dict]:
+    """The batches one after another (a later one can hit the prefix cache an earlier one filled)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=job.get("logprobs"),
                             ignore_eos=job.get("ignore_eos", False))
     outputs = []
-    for batch in job["batches"]:
+    for batch in batches:
         if isinstance(batch[0], str):
             results = llm.generate(batch, params, use_tqdm=False)
         else:
@@ -71,18 +100,18 @@ def main(job: dict) -> None:
                      "prompt_len": len(r.prompt_token_ids), "num_cached_tokens": r.num_cached_tokens,
                      "logprobs": top_logprobs(r.outputs[0])}
                     for r in results]
-    kv_tokens = cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
-    counters = None
-    if not job["llm"].get("disable_log_stats", True):
-        from vllm.v1.metrics.reader import Counter
+    return outputs
 
-        counters = {}
-        for metric in llm.get_metrics():
-            if isinstance(metric, Counter):
-                counters[metric.name] = counters.get(metric.name, 0) + metric.value
-    print("RESULT " + json.dumps({"kv_tokens": kv_tokens, "block_size": cache.block_size, "outputs": outputs,
-                                  "counters": counters,
-                                  "num_preemptions": counters["vllm:num_preemptions"] if counters else None}))
+
+def counters(llm) -> dict[str, float]:
+    """Every vLLM counter metric, summed over engines."""
+    from vllm.v1.metrics.reader import Counter
+
+    totals = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter):
+            totals[metric.name] = totals.get(metric.name, 0) + metric.value
+    return totals
 
 
 def top_logprobs(completion) -> list[list[tuple[int, float]]] | None:
