@@ -32,7 +32,6 @@ SEQ_LENS = (1, 17, 300)
 READ_BACK_TOLERANCE = 2e-2  # rel. L2 of bf16 attention vs float32 over the same dequantized values
 LOGITS_TOLERANCE = 1e-4  # of the largest |logit|: the kernels' float32 sums, in their own order, vs float64
 INDEXER_HEADS = 64
-FP8_KEYS_ON_CUDA = False  # the CUDA kernels refuse the FP8-key page
 
 
 @dataclass
@@ -259,11 +258,10 @@ def run_checks(device) -> list[Row]:
                ("indexer_paged_mqa_logits", check_indexer_paged_logits, (device, gen))]
     checks += [("read-back", check_read_back, (device, hnd, gen)) for hnd in (False, True)]
     checks.append(("swizzled-V read-back", check_read_back, (device, False, gen, True)))
-    if device == "cpu" or FP8_KEYS_ON_CUDA:  # the FP8-key page (docs/FORMATS.md §1)
-        for hnd in (False, True):
-            checks += [("reshape_and_cache_nvfp4, FP8 keys", check_store, (device, hnd, hnd, gen, True)),
-                       ("gather_nvfp4_kv_cache, FP8 keys", check_gather, (device, hnd, hnd, gen, True)),
-                       ("read-back, FP8 keys", check_read_back, (device, hnd, gen, False, True))]
+    for hnd in (False, True):  # the FP8-key page (docs/FORMATS.md §1)
+        checks += [("reshape_and_cache_nvfp4, FP8 keys", check_store, (device, hnd, hnd, gen, True)),
+                   ("gather_nvfp4_kv_cache, FP8 keys", check_gather, (device, hnd, hnd, gen, True)),
+                   ("read-back, FP8 keys", check_read_back, (device, hnd, gen, False, True))]
     rows = []
     for name, check, check_args in checks:
         try:
