@@ -8,13 +8,17 @@ from its unpressured run no more than vLLM's own cache does (count and first-div
 divergence is a near-tie (each run's pick was within NEAR_TIE_NATS of the other run's best there). Two
 configurations: fp32 weights with oneDNN capped at AVX2, which keep batch composition out of the bits (vLLM's own
 cache is then fp32), and bf16 weights with vLLM's bf16 cache, whose batch-dependent GEMMs make divergences happen.
+With bf16 weights the bar is not met (NVFP4 diverges more on workloads preempted mid-generation); that test is a
+strict expected failure.
 A request that read a stale, freed or foreign page would diverge grossly; a planted foreign page shows the check
 catches that.
 
 Serving: clients that disconnect mid-stream, requests vLLM must refuse, and a short soak (benchmarks/soak.py).
 """
 
+import json
 import os
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +36,10 @@ PRESSURE_BLOCKS = 6  # vLLM keeps one block back: 5 usable blocks of 32, one or 
 MAX_MODEL_LEN = 128
 CANDIDATES = 5  # log-probabilities kept per generated token
 # Bound of a near-tie. Measured here: fp32 weights, no request diverged under pressure (NVFP4 and fp32 caches
-# alike); bf16 weights (WORKLOADS and PROMPTS), every divergence picked a token within 0.375 nats of the other run's
-# best (bf16 logits move in steps of 0.125 there), the chosen tokens' log-probabilities up to 0.43 nats apart before
-# it. The planted foreign page's first divergence picks a token outside the other run's 5 best.
+# alike); bf16 weights (BF16_WORKLOADS, benchmarks/pressure_divergence.py, PROMPTS), every divergence picked a token
+# within 0.375 nats of the other run's best (bf16 logits move in steps of 0.125 there), the chosen tokens'
+# log-probabilities up to 0.43 nats apart before it. The planted foreign page's first divergence picks a token outside
+# the other run's 5 best.
 NEAR_TIE_NATS = 0.5
 # oneDNN capped at AVX2 makes vLLM's fp32 CPU linears row-invariant (tests/test_serving.py): a request's tokens do
 # not depend on which others share its batch, so what differs under pressure is the recompute alone.
@@ -58,6 +63,50 @@ BATCHES = [[STORYTELLER + prompt for prompt in PROMPTS[:4]],
            [TEACHER + f"Explain to a {who} why the sea is salty." for who in WHO[:4]],
            [STORYTELLER + prompt for prompt in PROMPTS[4:]]]
 RETURNING = len(BATCHES[0]) + len(BATCHES[1])  # the first request back to the storyteller
+# More workloads of BATCHES' shape, for the comparison with bf16 weights: an instruction of two full blocks (64-66
+# tokens) with its task, four requests; four of another instruction, which evict the first one's blocks under
+# pressure; four more of the first instruction, which read it recomputed.
+INSTRUCTIONS = {
+    "storyteller": (STORYTELLER, "Write a short story about a {} who"),
+    "teacher": (TEACHER, "Explain to a {} why the sea is salty."),
+    "cook": ("You are a friendly home cook who writes for busy families. Every recipe you describe uses what most "
+             "kitchens already have, takes less than forty minutes, and says how to tell when each step is done. Use "
+             "plain words, name every pot and pan, and end with one way to use the leftovers the next day. ",
+             "Describe a simple dinner for a {}."),
+    "guide": ("You are an experienced travel guide who knows every old street of the city. Every plan you give starts "
+              "early in the morning, mixes one famous sight with two quiet places, and leaves time for a long lunch. "
+              "Use plain words, give walking times between stops, and end with a good place to watch the sunset. ",
+              "Plan a day in the city for a {}."),
+    "historian": ("You are a historian who loves the everyday lives of ordinary people. Every answer you give "
+                  "describes one real object, the people who made it and the people who used it, and how it changed "
+                  "over the years. Use plain words, no dates without a story, and end with something we still do the "
+                  "same way. ", "Tell a {} how bread was made long ago."),
+    "coach": ("You are a running coach for people who have never run before. Every plan you give always starts with "
+              "walking, adds a little running each week, and names one sign that the body needs a rest day. Use plain "
+              "words and short steps, never promise fast results, and end with one kind sentence about keeping "
+              "going. ", "Give a {} a plan to run for thirty minutes."),
+    "gardener": ("You are a gardener who grows food in small spaces: balconies, window boxes and shared yards. Every "
+                 "answer you give says which pot to use, how much sun and water the plant needs, and what usually "
+                 "goes wrong. Use plain words, one short list of tools at most, and end with the first step. ",
+                 "Tell a {} how to grow tomatoes."),
+    "letters": ("You are a letter writer who helps people say thank you. Every letter you write names the gift or the "
+                "help, says how it changed the writer's week, and recalls one shared moment. Use plain words and a "
+                "warm tone, keep it under one page, and end with a warm wish for the reader and their family. ",
+                "Write a thank-you note from a {}."),
+}
+SUBJECTS = WHO + ("nurse", "astronaut", "fisherman", "librarian", "dragon", "grandmother", "firefighter", "musician")
+
+
+def instructed(k: int) -> list[list[str]]:
+    """The k-th instructed workload; 0 is BATCHES. Instruction k mod 8 around instruction k + 3 mod 8, twelve
+    subjects drawn with seed k."""
+    if k == 0:
+        return BATCHES
+    names = list(INSTRUCTIONS)
+    (first, task), (between, other_task) = INSTRUCTIONS[names[k % 8]], INSTRUCTIONS[names[(k + 3) % 8]]
+    who = random.Random(k).sample(SUBJECTS, 12)
+    return [[first + task.format(w) for w in who[:4]], [between + other_task.format(w) for w in who[4:8]],
+            [first + task.format(w) for w in who[8:]]]
 # The stories: 16 requests of 96 tokens in an 8-block cache (7 usable; a request takes up to 4).
 STORIES = [f"Write a short story about a {who} who" for who in WHO]
 STORY_TOKENS = 96
@@ -65,7 +114,7 @@ STORY_PRESSURE_BLOCKS = 8
 
 
 def generate(kv_cache_dtype: str, blocks: int | None, model: Path | None = None, tensor_parallel_size: int = 1,
-             dtype: str = "float32", **job_options) -> dict:
+             dtype: str = "float32", timeout: float = 1500, **job_options) -> dict:
     llm = {"kv_cache_dtype": kv_cache_dtype, "dtype": dtype, "block_size": BLOCK_SIZE, "seed": 0,
            "max_model_len": MAX_MODEL_LEN, "enforce_eager": True, "kv_cache_memory_bytes": 64 << 20,
            "disable_log_stats": False, "enable_prefix_caching": True}
@@ -80,7 +129,7 @@ def generate(kv_cache_dtype: str, blocks: int | None, model: Path | None = None,
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpu) for cpu in ALLOWED_CPUS[:tensor_parallel_size])
     job = {"model": str(model or smollm2_path()), "llm": llm, "max_tokens": MAX_TOKENS, "batches": [PROMPTS],
            "logprobs": CANDIDATES, "ignore_eos": True, **job_options}
-    return run_job(job, env, timeout=1500)
+    return run_job(job, env, timeout=timeout)
 
 
 @dataclass
@@ -142,6 +191,28 @@ def pressure_runs(weights: str, workload: str) -> dict[str, dict]:
     return results
 
 
+def pressure_runs_together(weights: str, workloads: dict[str, tuple[list, int, int]],
+                           timeout: float = 1500) -> dict[str, dict[str, dict]]:
+    """`pressure_runs` for many workloads (name: batches, tokens generated, blocks of the pressured cache) with few
+    engines: per cache one engine runs every workload free and one per pressure level runs that level's workloads,
+    vLLM's prefix cache reset between workloads (tests/vllm_jobs.py). {name: {"auto/free": run, ...}}"""
+    runs = {name: {} for name in workloads}
+    for cache in ("auto", "nvfp4"):
+        for blocks in [None, *sorted({w[2] for w in workloads.values()})]:
+            mode = "free" if blocks is None else "pressured"
+            names = [n for n, w in workloads.items() if blocks in (None, w[2])]
+            distinct = {}  # a free run serves every pressure level of the same batches
+            for name in names:
+                distinct.setdefault(json.dumps(workloads[name][:2]), []).append(name)
+            result = generate(cache, blocks, dtype=weights, timeout=timeout,
+                              workloads=[{"batches": batches, "max_tokens": tokens}
+                                         for batches, tokens in map(json.loads, distinct)])
+            for same, run in zip(distinct.values(), result["workloads"]):
+                for name in same:
+                    runs[name][f"{cache}/{mode}"] = run | {"kv_tokens": result["kv_tokens"]}
+    return runs
+
+
 def assert_preempts(runs: dict[str, dict], blocks: int) -> None:
     for cache in ("auto", "nvfp4"):
         assert runs[f"{cache}/free"]["num_preemptions"] == 0
@@ -192,24 +263,59 @@ def test_a_foreign_page_is_a_gross_divergence(runs):
     assert any(d.request == 0 and not d.near_tie for d in found), found
 
 
+# bf16 weights: the instructed workloads 0-5 and the stories, 88 requests a cache (benchmarks/pressure_divergence.py
+# runs more of them).
+BF16_WORKLOADS = {**{f"instructed {k}": (instructed(k), MAX_TOKENS, PRESSURE_BLOCKS) for k in range(6)},
+                  "stories": ([STORIES], STORY_TOKENS, STORY_PRESSURE_BLOCKS)}
+
+
 @pytest.fixture(scope="module")
 def bf16_runs() -> dict[str, dict[str, dict]]:
     """bf16 weights, vLLM's bf16 cache against NVFP4, each workload. The GEMMs' bits depend on the batch, so a
     request recomputed beside other requests may take the other path at a near-tie, with either cache."""
-    return {workload: pressure_runs("bfloat16", workload) for workload in WORKLOADS}
+    return pressure_runs_together("bfloat16", BF16_WORKLOADS)
+
+
+def bf16_divergences(bf16_runs) -> tuple[list[Divergence], list[Divergence]]:
+    own, nvfp4 = [], []
+    for workload, runs in bf16_runs.items():
+        print(workload)
+        found = both_caches(runs)
+        own += found[0]
+        nvfp4 += found[1]
+    return own, nvfp4
 
 
 def test_under_pressure_with_bf16_weights_every_divergence_is_a_near_tie(bf16_runs):
-    # Which cache diverges in more requests flips with the workload here (measured: the stories, bf16 3 of 16 and
-    # NVFP4 none; the instructed batches, bf16 none and NVFP4 2 of 12), so the count is reported, not asserted: the
-    # deterministic count bar is the fp32 test above.
     for workload, runs in bf16_runs.items():
-        assert_preempts(runs, WORKLOADS[workload][2])
-        if workload == "instructed":
+        assert_preempts(runs, BF16_WORKLOADS[workload][2])
+        if workload.startswith("instructed"):
             assert_evicts(runs)
-        own, nvfp4 = both_caches(runs)
-        for divergence in own + nvfp4:
-            assert divergence.near_tie, (workload, divergence)
+    own, nvfp4 = bf16_divergences(bf16_runs)
+    for divergence in own + nvfp4:
+        assert divergence.near_tie, divergence
+
+
+# Measured (benchmarks/results/reliability.md): on the instructed workloads NVFP4 diverges in more requests than the
+# bf16 cache, and before any divergence its recompute moves the best log-probability by more than 0.1 nats in 16 of
+# 48 requests against 1 of 48 (instructed 0-3): a systematic excess, not tie-flip noise. The bar is not met here.
+XFAIL_REASON = ("issue 16: with bf16 weights NVFP4 under pressure diverges in more requests than vLLM's bf16 cache "
+                "on workloads preempted mid-generation (benchmarks/results/reliability.md)")
+
+
+def diverged_by(found: list[Divergence], token: int) -> int:
+    return sum(d.position <= token for d in found)
+
+
+@pytest.mark.xfail(strict=True, reason=XFAIL_REASON)
+def test_under_pressure_with_bf16_weights_nvfp4_diverges_no_more_than_bf16(bf16_runs):
+    # The issue-16 bar, pooled over the workloads: by every generated token, no more NVFP4 requests have diverged
+    # from their free run than bf16-cache requests (so no more in all, and none earlier in distribution).
+    own, nvfp4 = bf16_divergences(bf16_runs)
+    print(f"pooled: bf16 cache {len(own)} at {sorted(d.position for d in own)}, "
+          f"NVFP4 {len(nvfp4)} at {sorted(d.position for d in nvfp4)}")
+    for token in range(STORY_TOKENS):
+        assert diverged_by(nvfp4, token) <= diverged_by(own, token), token
 
 
 @pytest.fixture(scope="module")
