@@ -158,6 +158,27 @@ def test_builder_and_impl_match_fp32_attention(vllm_config, hnd):
     assert torch.all(out[int(query_start[-1]):] == 7.0), "padding rows must stay untouched"
 
 
+def backend_step(layer, builder, case: PagedCase, kv_cache: torch.Tensor, device):
+    """The earlier tokens stored, then one step of `case` through build → do_kv_cache_update → forward; returns
+    (query, output, block_table, query_start_loc, seq_lens) on `device`."""
+    earlier_key, earlier_value, earlier_slots = (t.to(device) for t in case.earlier_tokens())
+    layer.impl.do_kv_cache_update(layer, earlier_key, earlier_value, kv_cache, earlier_slots)
+    query, key, value, slot_mapping = (t.to(device) for t in case.step())
+    query_start_cpu = case.query_start_loc()
+    query_start, block_table = query_start_cpu.to(device), case.block_table.to(device)
+    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=query_start, query_start_loc_cpu=query_start_cpu, seq_lens=seq_lens.to(device),
+        num_reqs=len(case.seq_lens), num_actual_tokens=int(query_start_cpu[-1]), max_query_len=max(case.query_lens),
+        max_seq_len=max(case.seq_lens), block_table_tensor=block_table, slot_mapping=slot_mapping,
+        seq_lens_cpu_upper_bound=seq_lens)
+    metadata = builder.build(0, common)
+    layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+    output = torch.empty(query.shape[0], query.shape[1] * query.shape[2], dtype=torch.bfloat16, device=device)
+    layer.impl.forward(layer, query, key, value, kv_cache, metadata, output)
+    return query, output, block_table, query_start, seq_lens.to(device)
+
+
 @pytest.mark.parametrize("features", [
     {"per_layer_sliding_window": 20},
     {"logits_soft_cap": 2.0},
@@ -180,23 +201,10 @@ def test_model_features_reach_the_kernel(vllm_config, features, device):
     builder = NVFP4CudaMetadataBuilder(spec, [layer.layer_name], vllm_config, torch.device(device))
     case = PagedCase(requests, NVFP4PageLayout(d, block, kv_heads), heads, gen)
     kv_cache = _vllm_layer_cache(case.num_blocks, kv_heads, block, spec.state_content_bytes, hnd=False).to(device)
-    earlier_key, earlier_value, earlier_slots = (t.to(device) for t in case.earlier_tokens())
-    layer.impl.do_kv_cache_update(layer, earlier_key, earlier_value, kv_cache, earlier_slots)
-    query, key, value, slot_mapping = (t.to(device) for t in case.step())
-    query_start_cpu = case.query_start_loc()
-    query_start, block_table = query_start_cpu.to(device), case.block_table.to(device)
-    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=query_start, query_start_loc_cpu=query_start_cpu, seq_lens=seq_lens.to(device),
-        num_reqs=len(requests), num_actual_tokens=int(query_start_cpu[-1]), max_query_len=17, max_seq_len=45,
-        block_table_tensor=block_table, slot_mapping=slot_mapping, seq_lens_cpu_upper_bound=seq_lens)
-    metadata = builder.build(0, common)
-    layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-    output = torch.empty(query.shape[0], heads * d, dtype=torch.bfloat16, device=device)
-    layer.impl.forward(layer, query, key, value, kv_cache, metadata, output)
+    query, output, block_table, query_start, seq_lens = backend_step(layer, builder, case, kv_cache, device)
 
     page = page_view(kv_cache, kv_heads)
-    args = (query, page[:, 0], page[:, 1], block_table, query_start, seq_lens.to(device), layer._k_scale,
+    args = (query, page[:, 0], page[:, 1], block_table, query_start, seq_lens, layer._k_scale,
             layer._v_scale, d ** -0.5, True, False, 17, 45)
     want, plain = torch.empty_like(query), torch.empty_like(query)
     reference.nvfp4_paged_attention(*args, want, layer.impl.sliding_window, layer.impl.logits_soft_cap, sinks)
@@ -231,24 +239,11 @@ def test_fp8_key_page_through_the_backend(hnd, device, monkeypatch):
     physical = (case.num_blocks, kv_heads, block, d + 72) if hnd else (case.num_blocks, block, kv_heads, d + 72)
     kv_cache = torch.full(physical, 0xEE, dtype=torch.uint8, device=device)
     kv_cache = kv_cache if hnd else kv_cache.permute(0, 2, 1, 3)
-    earlier_key, earlier_value, earlier_slots = (t.to(device) for t in case.earlier_tokens())
-    layer.impl.do_kv_cache_update(layer, earlier_key, earlier_value, kv_cache, earlier_slots)
-    query, key, value, slot_mapping = (t.to(device) for t in case.step())
-    query_start_cpu = case.query_start_loc()
-    query_start, block_table = query_start_cpu.to(device), case.block_table.to(device)
-    seq_lens = torch.tensor(case.seq_lens, dtype=torch.int32)
-    common = CommonAttentionMetadata(
-        query_start_loc=query_start, query_start_loc_cpu=query_start_cpu, seq_lens=seq_lens.to(device),
-        num_reqs=len(requests), num_actual_tokens=int(query_start_cpu[-1]), max_query_len=17, max_seq_len=45,
-        block_table_tensor=block_table, slot_mapping=slot_mapping, seq_lens_cpu_upper_bound=seq_lens)
-    metadata = builder.build(0, common)
-    layer.impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-    output = torch.empty(query.shape[0], heads * d, dtype=torch.bfloat16, device=device)
-    layer.impl.forward(layer, query, key, value, kv_cache, metadata, output)
+    query, output, block_table, query_start, seq_lens = backend_step(layer, builder, case, kv_cache, device)
 
     key_cache, value_cache = page_view(kv_cache, kv_heads)
     assert NVFP4PageLayout.from_caches(key_cache, value_cache).fp8_keys
     want = torch.empty_like(query)
-    reference.nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start, seq_lens.to(device),
+    reference.nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start, seq_lens,
                                     layer._k_scale, layer._v_scale, d ** -0.5, True, False, 17, 45, want)
     assert relative_l2(output.view(query.shape).cpu(), want.cpu()) <= 1e-2

@@ -40,19 +40,24 @@ def test_spec_rejects_what_the_page_cannot_hold():
         customize_nvfp4_spec(nvfp4_spec(head_size=128, head_size_v=64))
 
 
+def vllm_views(spec, num_blocks: int, layout_kind):
+    """(raw int8 buffer, its KVCacheTensor, the per-layer views) as vLLM allocates two layers of `spec`."""
+    page = spec.page_size_bytes
+    layer_outer = layout_kind.is_layer_compact
+    tensor = KVCacheTensor(size=page * num_blocks * 2, layers=["l0", "l1"],
+                           layer_stride=page * num_blocks if layer_outer else page,
+                           block_stride=page if layer_outer else page * 2)
+    raw = torch.zeros(tensor.size, dtype=torch.int8)
+    return raw, tensor, create_kv_cache_views(raw, spec, num_blocks, layout_kind, tensor)
+
+
 @pytest.mark.parametrize("layout_kind", HND_LAYOUTS + NHD_LAYOUTS, ids=lambda k: k.name)
 def test_page_view_of_vllm_allocation(layout_kind):
     """Views that vLLM itself builds for two layers; tokens stored through `page_view` land at the
     docs/FORMATS.md offsets of their own layer's page, and nothing else changes."""
-    num_blocks, num_layers, head_size, kv_heads, block_size = 5, 2, 64, 2, 32
+    num_blocks, head_size, kv_heads, block_size = 5, 64, 2, 32
     spec = customize_nvfp4_spec(nvfp4_spec(head_size, kv_heads, block_size))
-    page = spec.page_size_bytes
-    layer_outer = layout_kind.is_layer_compact
-    tensor = KVCacheTensor(size=page * num_blocks * num_layers, layers=["l0", "l1"],
-                           layer_stride=page * num_blocks if layer_outer else page,
-                           block_stride=page if layer_outer else page * num_layers)
-    raw = torch.zeros(tensor.size, dtype=torch.int8)
-    views = create_kv_cache_views(raw, spec, num_blocks, layout_kind, tensor)
+    raw, tensor, views = vllm_views(spec, num_blocks, layout_kind)
     hnd = layout_kind in HND_LAYOUTS
     layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd=hnd)
 
@@ -85,17 +90,11 @@ def test_page_view_of_vllm_allocation(layout_kind):
 @pytest.mark.parametrize("layout_kind", HND_LAYOUTS + NHD_LAYOUTS, ids=lambda k: k.name)
 def test_fp8_key_page_view_of_vllm_allocation(layout_kind):
     """The FP8-key page in views vLLM builds: FP8 keys then NVFP4 values at the layout's offsets, nothing else."""
-    num_blocks, num_layers, head_size, kv_heads, block_size = 5, 2, 128, 2, 16
+    num_blocks, head_size, kv_heads, block_size = 5, 128, 2, 16
     spec = customize_nvfp4_spec(nvfp4_spec(head_size, kv_heads, block_size), fp8_keys=True)
     layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd=layout_kind in HND_LAYOUTS, fp8_keys=True)
     assert spec.page_size_bytes == layout.page_bytes == block_size * kv_heads * (128 + 72)
-    page = spec.page_size_bytes
-    layer_outer = layout_kind.is_layer_compact
-    tensor = KVCacheTensor(size=page * num_blocks * num_layers, layers=["l0", "l1"],
-                           layer_stride=page * num_blocks if layer_outer else page,
-                           block_stride=page if layer_outer else page * num_layers)
-    raw = torch.zeros(tensor.size, dtype=torch.int8)
-    views = create_kv_cache_views(raw, spec, num_blocks, layout_kind, tensor)
+    raw, tensor, views = vllm_views(spec, num_blocks, layout_kind)
     gen = torch.Generator().manual_seed(1)
     k = torch.randn(5, kv_heads, head_size, generator=gen).to(torch.bfloat16)
     v = torch.randn(5, kv_heads, head_size, generator=gen).to(torch.bfloat16)
