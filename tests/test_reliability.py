@@ -286,21 +286,28 @@ def bf16_divergences(bf16_runs) -> tuple[list[Divergence], list[Divergence]]:
     return own, nvfp4
 
 
-def test_under_pressure_with_bf16_weights_every_divergence_is_a_near_tie(bf16_runs):
+def test_under_pressure_with_bf16_weights_no_divergence_reads_a_wrong_page(bf16_runs):
+    # Preemption and eviction happen; the bf16 cache's divergences are near-ties; NVFP4's first divergences pick a
+    # token among the other run's CANDIDATES best, as the tie flips do and a wrong page does not (the planted one:
+    # neither pick among them). The near-tie bound for NVFP4 is part of the bar below, which it does not meet.
     for workload, runs in bf16_runs.items():
         assert_preempts(runs, BF16_WORKLOADS[workload][2])
         if workload.startswith("instructed"):
             assert_evicts(runs)
     own, nvfp4 = bf16_divergences(bf16_runs)
-    for divergence in own + nvfp4:
+    for divergence in own:
         assert divergence.near_tie, divergence
+    for divergence in nvfp4:
+        assert None not in divergence.gaps, divergence
 
 
-# Measured (benchmarks/results/reliability.md): on the instructed workloads NVFP4 diverges in more requests than the
-# bf16 cache, and before any divergence its recompute moves the best log-probability by more than 0.1 nats in 16 of
-# 48 requests against 1 of 48 (instructed 0-3): a systematic excess, not tie-flip noise. The bar is not met here.
+# Measured (benchmarks/results/reliability.md), instructed 0-5: NVFP4 diverged in 12 of 72 requests, the bf16 cache in
+# 2 (exact McNemar over the requests, one-sided p = 0.003), NVFP4's largest gap 0.5 nats against 0.25; before any
+# divergence a recompute moves NVFP4's best log-probability by more than 0.1 nats in 16 of 48 requests against 1 of 48
+# (instructed 0-3). A systematic excess, not tie-flip noise: the bar is not met with bf16 weights.
 XFAIL_REASON = ("issue 16: with bf16 weights NVFP4 under pressure diverges in more requests than vLLM's bf16 cache "
-                "on workloads preempted mid-generation (benchmarks/results/reliability.md)")
+                "on workloads preempted mid-generation, one divergence at a 0.5-nat gap "
+                "(benchmarks/results/reliability.md)")
 
 
 def diverged_by(found: list[Divergence], token: int) -> int:
@@ -310,12 +317,15 @@ def diverged_by(found: list[Divergence], token: int) -> int:
 @pytest.mark.xfail(strict=True, reason=XFAIL_REASON)
 def test_under_pressure_with_bf16_weights_nvfp4_diverges_no_more_than_bf16(bf16_runs):
     # The issue-16 bar, pooled over the workloads: by every generated token, no more NVFP4 requests have diverged
-    # from their free run than bf16-cache requests (so no more in all, and none earlier in distribution).
+    # from their free run than bf16-cache requests (so no more in all, and none earlier in distribution), and every
+    # NVFP4 divergence is a near-tie.
     own, nvfp4 = bf16_divergences(bf16_runs)
     print(f"pooled: bf16 cache {len(own)} at {sorted(d.position for d in own)}, "
           f"NVFP4 {len(nvfp4)} at {sorted(d.position for d in nvfp4)}")
     for token in range(STORY_TOKENS):
         assert diverged_by(nvfp4, token) <= diverged_by(own, token), token
+    for divergence in nvfp4:
+        assert divergence.near_tie, divergence
 
 
 @pytest.fixture(scope="module")
