@@ -237,21 +237,24 @@ def test_adversarial_values(kind, requests):
     batch.check(batch.run())
 
 
+@pytest.mark.parametrize("fp8_keys", [False, True], ids=["nvfp4_keys", "fp8_keys"])
 @pytest.mark.parametrize("requests", [[(1, 700), (20, 900)], [(1, 700), (1, 900)]], ids=["mixed", "decode"])
-def test_random_cache_bytes(requests):
-    """Every code and scale bit pattern (subnormal and max block scales included), written straight into the pages."""
-    batch = Batch(requests, head_size=128, swizzle=True, seed=8)
+def test_random_cache_bytes(requests, fp8_keys):
+    """Every code and scale bit pattern (subnormal and max block scales included; with FP8 keys every key byte but the
+    NaNs, subnormals and ±448 included), written straight into the pages."""
+    batch = Batch(requests, head_size=128, swizzle=True, fp8_keys=fp8_keys, seed=8)
     g = torch.Generator().manual_seed(8)
-    data = torch.randint(0, 256, (batch.cache.numel(),), generator=g, dtype=torch.uint8)
-    data = torch.where((data & 0x7F) == 0x7F, data - 1, data)  # no E4M3 NaN scale
-    batch.cache.copy_(data.view(batch.cache.shape).cuda())
+    data = torch.randint(0, 256, (batch.pages.numel(),), generator=g, dtype=torch.uint8)
+    data = torch.where((data & 0x7F) == 0x7F, data - 1, data)  # no E4M3 NaN scale or key
+    batch.pages.copy_(data.view(batch.pages.shape).cuda())
     batch.scale = 1e-3
     batch.check(batch.run())
 
 
-def test_cuda_graph_replay_with_new_lengths():
+@pytest.mark.parametrize("fp8_keys", [False, True], ids=["nvfp4_keys", "fp8_keys"])
+def test_cuda_graph_replay_with_new_lengths(fp8_keys):
     """Captured once at the bounds, replayed after the lengths and queries changed in place."""
-    batch = Batch([(1, 3000), (1, 2600), (1, 20)], group=4, seed=9)
+    batch = Batch([(1, 3000), (1, 2600), (1, 20)], group=4, fp8_keys=fp8_keys, seed=9)
     out = torch.full_like(batch.query, float("nan"))
     args = batch.args(out, max_query_len=1, max_seq_len=4096)
     stream = torch.cuda.Stream()
@@ -429,35 +432,4 @@ def test_fp8_keys_adversarial_values(kind, requests):
         batch.scale = 1e-4
     batch.check(batch.run())
 
-
-def test_fp8_keys_random_cache_bytes():
-    """Every FP8 key byte but the NaNs (subnormals and ±448 included), written straight into the pages."""
-    batch = Batch([(1, 700), (1, 900), (20, 900)], fp8_keys=True, swizzle=True, seed=8)
-    g = torch.Generator().manual_seed(8)
-    data = torch.randint(0, 256, (batch.pages.numel(),), generator=g, dtype=torch.uint8)
-    data = torch.where((data & 0x7F) == 0x7F, data - 1, data)
-    batch.pages.copy_(data.view(batch.pages.shape).cuda())
-    batch.scale = 1e-3
-    batch.check(batch.run())
-
-
-def test_fp8_keys_cuda_graph_replay_with_new_lengths():
-    batch = Batch([(1, 3000), (1, 2600), (1, 20)], group=4, fp8_keys=True, seed=9)
-    out = torch.full_like(batch.query, float("nan"))
-    args = batch.args(out, max_query_len=1, max_seq_len=4096)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        ops.nvfp4_paged_attention(*args)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ops.nvfp4_paged_attention(*args)
-    batch.seq_lens.copy_(torch.tensor([17, 2500, 1], dtype=torch.int32))
-    batch.requests = [(1, 17), (1, 2500), (1, 1)]
-    batch.query.copy_(torch.randn(batch.query.shape, generator=batch.gen).to(batch.dtype))
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    batch.check(out)
 
