@@ -1,27 +1,33 @@
-"""Preemption pressure with bf16 weights: NVFP4 against vLLM's bf16 cache over many workloads.
+"""Preemption pressure with bf16 weights: NVFP4 against vLLM's bf16 and FP8 caches over many workloads.
 
 The harness of tests/test_reliability.py (SmolLM2-135M-Instruct, vLLM's CPU engine, greedy, block size 32, prefix
 caching on, 5 log-probabilities a token): every workload runs with a free cache and under a cache of a few blocks
-(`num_gpu_blocks_override`), once with vLLM's bf16 cache and once with NVFP4, and each pressured run is compared with
-its own cache's free run. With bf16 weights vLLM's CPU GEMMs give bits that depend on the batch, so a request
-recomputed beside others can take the other token at a near-tie, with either cache; one workload's counts are a
-handful of such flips. This runs many workloads and pools them:
+(`num_gpu_blocks_override`), once per KV-cache dtype (vLLM's bf16 cache, vLLM's FP8 cache, NVFP4), and each
+pressured run is compared with its own cache's free run. With bf16 weights vLLM's CPU GEMMs give bits that depend on
+the batch, so a request recomputed beside others can take the other token at a near-tie, with any cache; one
+workload's counts are a handful of such flips. vLLM's FP8 cache (`kv_cache_dtype="fp8"`: E4M3, scale 1, on CPU it
+needs AVX-512 or AMX) is the peer quantized cache: a cache that re-quantizes a recompute's slightly different keys
+and values, as NVFP4 does, with a finer step. This runs many workloads and pools them:
 
-- per workload and pooled: requests diverged and their first-divergence positions, for both caches;
-- the paired comparison over requests (exact McNemar: of the requests where one cache diverged and the other did
-  not, how many were NVFP4's) and over workloads (sign test);
-- the first-divergence positions compared (Mann-Whitney U, one-sided: are NVFP4's earlier?);
-- the largest near-tie gap and drift (tests/test_reliability.py's Divergence).
+- per workload and pooled: requests diverged, their first-divergence positions and gaps, for each cache;
+- paired comparisons over requests (exact McNemar: of the requests where one cache diverged and the other did not,
+  how many were each one's) and over workloads (sign test): FP8 and NVFP4 against bf16, NVFP4 against FP8;
+- the first-divergence positions compared (Mann-Whitney U, one-sided: are the second cache's earlier?);
+- the gaps at the divergences against the near-tie bound (tests/test_reliability.py's NEAR_TIE_NATS, Divergence);
+- how far a recompute moves each cache's best log-probability before any divergence, and, for scale, how far each
+  quantized cache's free run is from the bf16 cache's free run.
 
     python benchmarks/pressure_divergence.py                                  # instructed workloads 0-15, 6 blocks, + 2
-    python benchmarks/pressure_divergence.py --instructed 0-3 --no-extras     # four workloads (what results/ holds)
+    python benchmarks/pressure_divergence.py --instructed 0-5                 # instructed 0-5, the stories, short
+    python benchmarks/pressure_divergence.py --caches auto nvfp4              # bf16 and NVFP4 only
     python benchmarks/pressure_divergence.py --instructed 0-7 --blocks 5 7    # other pressure levels
     python benchmarks/pressure_divergence.py --raw runs.json                  # keep every run's outputs
-    python benchmarks/pressure_divergence.py --from-raw runs.json --append benchmarks/results/reliability.md
+    python benchmarks/pressure_divergence.py --from-raw a.json b.json         # analyse earlier runs, pooled
+    python benchmarks/pressure_divergence.py --requantization                 # the mechanism alone (seconds)
 
 Each cache needs one engine for the free runs and one per pressure level (the prefix cache is reset between
-workloads). Four workloads took 13 minutes on 2 shared cores at load average 4-5; a pressured run costs about twice
-a free one (requests run one or two at a time and are recomputed).
+workloads). Instructed 0-5 with the stories and short, three caches, took 9 minutes on 2 shared cores at load
+average 2.5; a pressured run costs about twice a free one (requests run one or two at a time and are recomputed).
 """
 
 from __future__ import annotations
@@ -38,8 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from provenance import emit, stamp  # noqa: E402
 from test_reliability import (  # noqa: E402
-    BATCHES, MAX_TOKENS, PRESSURE_BLOCKS, PROMPTS, STORIES, STORY_PRESSURE_BLOCKS, STORY_TOKENS, divergences,
-    instructed, pressure_runs_together)
+    BATCHES, CANDIDATES, MAX_TOKENS, NEAR_TIE_NATS, PRESSURE_BLOCKS, PROMPTS, STORIES, STORY_PRESSURE_BLOCKS,
+    STORY_TOKENS, divergences, instructed, pressure_runs_together)
+
+
+CACHES = {"auto": "bf16", "fp8": "FP8", "nvfp4": "NVFP4"}  # vLLM's kv_cache_dtype: label
 
 
 def parse_range(text: str) -> list[int]:
@@ -97,94 +106,189 @@ def drifts(free: dict, pressured: dict) -> list[list[float]]:
 
 def summary(values: list[float]) -> dict:
     ranked = sorted(values)
+    if not ranked:
+        return {"tokens": 0, "moved": 0.0, "mean": 0.0, "p99": 0.0, "max": 0.0}
     return {"tokens": len(ranked), "moved": sum(v > 0 for v in ranked) / len(ranked),
             "mean": sum(ranked) / len(ranked), "p99": ranked[int(0.99 * (len(ranked) - 1))], "max": ranked[-1]}
 
 
+def paired(a: list[bool], b: list[bool]) -> dict:
+    """Exact McNemar over paired outcomes: requests where only b's cache diverged against only a's; one-sided p that
+    b's diverge more, and two-sided."""
+    only_a = sum(x and not y for x, y in zip(a, b))
+    only_b = sum(y and not x for x, y in zip(a, b))
+    trials = only_a + only_b
+    return {"only_a": only_a, "only_b": only_b, "both": sum(x and y for x, y in zip(a, b)),
+            "p_more": binomial_tail(only_b, trials),
+            "p_two": min(1.0, 2 * min(binomial_tail(only_b, trials), binomial_tail(only_a, trials)))}
+
+
+def largest_gap(d) -> float | None:
+    """The larger of a divergence's two gaps; None if either run's pick is not among the other's candidates."""
+    return None if None in d.gaps else max(d.gaps)
+
+
 def analyse(runs: dict[str, dict[str, dict]]) -> dict:
-    rows, pairs = [], []
+    caches = [c for c in CACHES if all(f"{c}/pressured" in run for run in runs.values())]
+    rows, diverged = [], {c: [] for c in caches}
     for name, run in runs.items():
-        own = divergences(run["auto/free"], run["auto/pressured"])
-        nvfp4 = divergences(run["nvfp4/free"], run["nvfp4/pressured"])
         n = len(run["auto/free"]["outputs"])
-        returning = [o["num_cached_tokens"] for o in run["auto/pressured"]["outputs"]]
-        rows.append({"workload": name, "requests": n,
-                     "preemptions": (run["auto/pressured"]["num_preemptions"],
-                                     run["nvfp4/pressured"]["num_preemptions"]),
-                     "free preemptions": (run["auto/free"]["num_preemptions"], run["nvfp4/free"]["num_preemptions"]),
-                     "own": own, "nvfp4": nvfp4, "cached tokens under pressure": returning})
-        own_ids, nv_ids = {d.request for d in own}, {d.request for d in nvfp4}
-        pairs += [(r in own_ids, r in nv_ids) for r in range(n)]
-    everything = [d for row in rows for d in row["own"] + row["nvfp4"]]
-    own_positions = sorted(d.position for row in rows for d in row["own"])
-    nv_positions = sorted(d.position for row in rows for d in row["nvfp4"])
-    only_own = sum(a and not b for a, b in pairs)
-    only_nv = sum(b and not a for a, b in pairs)
-    more_nv = sum(len(r["nvfp4"]) > len(r["own"]) for r in rows)
-    more_own = sum(len(r["nvfp4"]) < len(r["own"]) for r in rows)
-    u, p_positions = mann_whitney_less(nv_positions, own_positions)
-    per_request = {cache: [r for run in runs.values() for r in drifts(run[f"{cache}/free"], run[f"{cache}/pressured"])]
-                   for cache in ("auto", "nvfp4")}
-    drift = {cache: summary([v for r in per_request[cache] for v in r]) for cache in per_request}
-    # Paired over requests: the largest move of each request's best log-probability before any divergence.
-    largest = [(max(a, default=0.0), max(b, default=0.0)) for a, b in zip(per_request["auto"], per_request["nvfp4"])]
-    drift["nvfp4_larger"] = sum(b > a for a, b in largest)
-    drift["auto_larger"] = sum(a > b for a, b in largest)
-    drift["p_sign"] = binomial_tail(drift["nvfp4_larger"], drift["nvfp4_larger"] + drift["auto_larger"])
-    drift["over_0.1"] = {cache: sum(max(r, default=0.0) > 0.1 for r in per_request[cache]) for cache in per_request}
-    only = [sum(x > 0.1 >= y for x, y in pairs) for pairs in (largest, [(b, a) for a, b in largest])]
-    drift["p_over_0.1"] = binomial_tail(only[1], sum(only))  # exact McNemar over requests
-    return {
-        "drift": drift,
-        "rows": rows, "requests": len(pairs), "own": len(own_positions), "nvfp4": len(nv_positions),
-        "both": sum(a and b for a, b in pairs), "only_own": only_own, "only_nvfp4": only_nv,
-        "p_mcnemar": binomial_tail(only_nv, only_nv + only_own),
-        "workloads_more_nvfp4": more_nv, "workloads_more_own": more_own,
-        "p_sign": binomial_tail(more_nv, more_nv + more_own),
-        "own_positions": own_positions, "nvfp4_positions": nv_positions, "u": u, "p_positions": p_positions,
-        "largest_gap": max((g for d in everything for g in d.gaps if g is not None), default=0.0),
-        "gross": [d for d in everything if not d.near_tie],
-        "largest_drift": max((d.drift for d in everything), default=0.0),
-    }
+        found = {c: divergences(run[f"{c}/free"], run[f"{c}/pressured"]) for c in caches}
+        rows.append({"workload": name, "requests": n, "found": found,
+                     "preemptions": {c: run[f"{c}/pressured"]["num_preemptions"] for c in caches},
+                     "free preemptions": {c: run[f"{c}/free"]["num_preemptions"] for c in caches}})
+        for c in caches:
+            ids = {d.request for d in found[c]}
+            diverged[c] += [r in ids for r in range(n)]
+    positions = {c: sorted(d.position for row in rows for d in row["found"][c]) for c in caches}
+    comparisons = {}
+    for a, b in [("auto", q) for q in caches if q != "auto"] + ([("fp8", "nvfp4")] if {"fp8", "nvfp4"} <= set(caches)
+                                                                 else []):
+        if a not in caches:
+            continue
+        more = sum(len(r["found"][b]) > len(r["found"][a]) for r in rows)
+        fewer = sum(len(r["found"][b]) < len(r["found"][a]) for r in rows)
+        u, p_positions = mann_whitney_less(positions[b], positions[a])
+        comparisons[(a, b)] = paired(diverged[a], diverged[b]) | {
+            "workloads_more": more, "workloads_fewer": fewer, "p_sign": binomial_tail(more, more + fewer),
+            "u": u, "p_positions": p_positions}
+    # Before any divergence: how far the pressured run's best log-probability moved from its free run's.
+    per_request = {c: [r for run in runs.values() for r in drifts(run[f"{c}/free"], run[f"{c}/pressured"])]
+                   for c in caches}
+    drift = {c: summary([v for r in per_request[c] for v in r]) for c in caches}
+    largest = {c: [max(r, default=0.0) for r in per_request[c]] for c in caches}
+    over = {c: [x > 0.1 for x in largest[c]] for c in caches}
+    drift_tests = {q: paired(over["auto"], over[q]) for q in caches if q != "auto" and "auto" in caches}
+    # The format's own error: each quantized cache's free run against the bf16 cache's free run, the best
+    # log-probability's |difference| at every token before the two free runs part.
+    format_error = {q: summary([v for run in runs.values() for r in drifts(run["auto/free"], run[f"{q}/free"])
+                                for v in r]) for q in caches if q != "auto" and "auto" in caches}
+    free_parted = {q: sum(len(divergences(run["auto/free"], run[f"{q}/free"])) for run in runs.values())
+                   for q in format_error}
+    gaps = {}
+    for c in caches:
+        found = [d for row in rows for d in row["found"][c]]
+        known = [g for g in map(largest_gap, found) if g is not None]
+        gaps[c] = {"largest": max(known, default=0.0), "outside": sum(largest_gap(d) is None for d in found),
+                   "at_or_over_bound": sum(g is None or g >= NEAR_TIE_NATS for g in map(largest_gap, found)),
+                   "not_near_tie": sum(not d.near_tie for d in found),
+                   "largest_drift": max((d.drift for d in found), default=0.0),
+                   "sorted": sorted(known)}
+    return {"caches": caches, "rows": rows, "requests": len(diverged[caches[0]]),
+            "diverged": {c: sum(diverged[c]) for c in caches}, "positions": positions,
+            "comparisons": comparisons, "drift": drift, "over_0.1": {c: sum(over[c]) for c in caches},
+            "drift_tests": drift_tests, "format_error": format_error, "free_parted": free_parted, "gaps": gaps}
+
+
+def number(x: float) -> str:
+    return f"{x:.4f}".rstrip("0").rstrip(".") if x else "0"
 
 
 def fmt(found) -> str:
-    return ", ".join(f"{d.request} @ {d.position}" for d in found) or "—"
+    return ", ".join(f"{d.request} @ {d.position} ({' / '.join('—' if g is None else number(g) for g in d.gaps)})"
+                     for d in found) or "—"
 
 
 def table(result: dict, header: str) -> list[str]:
+    caches = result["caches"]
+    label = {c: CACHES[c] for c in caches}
+    names = " / ".join(label[c] for c in caches)
     lines = [header, "",
-             "| workload | requests | preemptions bf16 / NVFP4 | bf16 cache diverged | NVFP4 diverged | bf16 first divergences (request @ token) | NVFP4 first divergences |",
-             "| --- | ---: | ---: | ---: | ---: | --- | --- |"]
+             f"| workload | requests | preemptions {names} | " + " | ".join(f"{label[c]} diverged" for c in caches)
+             + " | " + " | ".join(f"{label[c]}: request @ token (gaps free / pressured)" for c in caches) + " |",
+             "| --- | ---: | ---: | " + "---: | " * len(caches) + "--- | " * len(caches)]
+    lines[-1] = lines[-1].rstrip()
     for r in result["rows"]:
-        lines.append(f"| {r['workload']} | {r['requests']} | {r['preemptions'][0]} / {r['preemptions'][1]} | "
-                     f"{len(r['own'])} | {len(r['nvfp4'])} | {fmt(r['own'])} | {fmt(r['nvfp4'])} |")
+        lines.append(f"| {r['workload']} | {r['requests']} | {' / '.join(str(r['preemptions'][c]) for c in caches)} | "
+                     + " | ".join(str(len(r["found"][c])) for c in caches) + " | "
+                     + " | ".join(fmt(r["found"][c]) for c in caches) + " |")
     n = result["requests"]
-    lines += [
-        f"| **pooled** | {n} | | **{result['own']}** | **{result['nvfp4']}** | "
-        f"positions {result['own_positions']} | positions {result['nvfp4_positions']} |", "",
-        f"Requests where exactly one cache diverged: bf16 only {result['only_own']}, NVFP4 only {result['only_nvfp4']} "
-        f"(both: {result['both']}); exact McNemar, one-sided P(NVFP4 only ≥ {result['only_nvfp4']}) = "
-        f"{result['p_mcnemar']:.3f}. Workloads where NVFP4 diverged in more requests: {result['workloads_more_nvfp4']}, "
-        f"fewer: {result['workloads_more_own']} (sign test, one-sided p = {result['p_sign']:.3f}). First-divergence "
-        f"positions, NVFP4 against bf16: Mann-Whitney U = {result['u']}, one-sided p (NVFP4 earlier) = "
-        f"{result['p_positions']:.3f}. Largest gap at a divergence {result['largest_gap']:.3f} nats, largest drift "
-        f"before one {result['largest_drift']:.3f}; divergences beyond the 0.5-nat near-tie bound: "
-        f"{len(result['gross'])}.", "",
-        "Before any divergence: how far the pressured run's best log-probability moved from the free run's, per "
-        "generated token:", "",
-        "| cache | tokens compared | tokens that moved | mean |Δ| (nats) | 99th percentile | largest |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for cache, label in (("auto", "bf16"), ("nvfp4", "NVFP4")):
-        d = result["drift"][cache]
-        lines.append(f"| {label} | {d['tokens']} | {d['moved']:.1%} | {d['mean']:.4f} | {d['p99']:.3f} | "
-                     f"{d['max']:.3f} |")
-    d = result["drift"]
-    lines += ["", f"Per request, the largest such move: larger with NVFP4 in {d['nvfp4_larger']} requests, larger with "
-              f"bf16 in {d['auto_larger']} (sign test, one-sided p = {d['p_sign']:.2g} if neither cache's tended to be "
-              f"larger); over 0.1 nats in {d['over_0.1']['auto']} requests with the bf16 cache and "
-              f"{d['over_0.1']['nvfp4']} with NVFP4 (exact McNemar, one-sided p = {d['p_over_0.1']:.2g})."]
+    lines.append(f"| **pooled** | {n} | | " + " | ".join(f"**{result['diverged'][c]}**" for c in caches) + " | "
+                 + " | ".join(f"tokens {', '.join(map(str, result['positions'][c])) or '—'}" for c in caches) + " |")
+    lines.append("")
+    for (a, b), t in result["comparisons"].items():
+        lines.append(
+            f"- {label[b]} against {label[a]}, paired over the requests: {label[b]} only {t['only_b']}, {label[a]} only "
+            f"{t['only_a']}, both {t['both']}; exact McNemar, one-sided P({label[b]} only ≥ {t['only_b']}) = "
+            f"{t['p_more']:.3g} (two-sided {t['p_two']:.3g}). Workloads where {label[b]} diverged in more requests: "
+            f"{t['workloads_more']}, fewer: {t['workloads_fewer']} (sign test, one-sided p = {t['p_sign']:.3g}). "
+            f"First-divergence positions: Mann-Whitney U = {t['u']}, one-sided p ({label[b]} earlier) = "
+            f"{t['p_positions']:.3g}.")
+    lines += ["", f"Gaps at the divergences (nats; the larger of the two, '—' in the table: the other run's pick not "
+              f"among the {CANDIDATES} candidates kept), against the near-tie bound NEAR_TIE_NATS = {NEAR_TIE_NATS}:", "",
+              "| cache | divergences | largest gap | picks outside the other run's candidates | gaps ≥ bound | not near-ties (gap or drift ≥ bound) | largest drift before one | gaps, sorted |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for c in caches:
+        g = result["gaps"][c]
+        lines.append(f"| {label[c]} | {result['diverged'][c]} | {number(g['largest']) if g['sorted'] else '—'} | {g['outside']} | "
+                     f"{g['at_or_over_bound']} | {g['not_near_tie']} | {g['largest_drift']:.3f} | "
+                     f"{', '.join(map(number, g['sorted'])) or '—'} |")
+    lines += ["", "Before any divergence: how far the pressured run's best log-probability moved from its free run's, "
+              "per generated token (and, per request, how many moved by more than 0.1 nats at some token):", "",
+              "| cache | tokens compared | tokens that moved | mean |Δ| (nats) | 99th percentile | largest | requests over 0.1 nats |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in caches:
+        d = result["drift"][c]
+        lines.append(f"| {label[c]} | {d['tokens']:,} | {d['moved']:.1%} | {d['mean']:.4f} | {d['p99']:.3f} | "
+                     f"{d['max']:.3f} | {result['over_0.1'][c]} of {n} |")
+    if result["drift_tests"]:
+        lines += ["", "Requests over 0.1 nats, paired with the bf16 cache's (exact McNemar): " + "; ".join(
+            f"{label[q]} only {t['only_b']}, bf16 only {t['only_a']}, one-sided p = {t['p_more']:.2g}"
+            for q, t in result["drift_tests"].items()) + "."]
+    if result["format_error"]:
+        lines += ["", "The format's own error, no pressure: each quantized cache's free run against the bf16 cache's "
+                  "free run, the best log-probability's |difference| per token before the two part:", "",
+                  "| cache | tokens compared | mean |Δ| (nats) | 99th percentile | largest | requests whose free run parts from bf16's |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
+        for q, d in result["format_error"].items():
+            lines.append(f"| {label[q]} | {d['tokens']:,} | {d['mean']:.4f} | {d['p99']:.3f} | {d['max']:.3f} | "
+                         f"{result['free_parted'][q]} of {n} |")
+    return lines
+
+
+def requantization(fractions: tuple[float, ...] = (0.05, 0.3)) -> list[str]:
+    """The mechanism in isolation: SmolLM2's bf16 keys and values (every layer's k_proj and v_proj outputs over
+    BATCHES' prompts, through transformers), a last-bit perturbation (±1 bf16 ulp on a random fraction of the
+    elements, as a recompute's GEMM may give), and how far that moves what each cache stores: bf16 as is, FP8 E4M3
+    with scale 1 (vLLM's CPU cache) and NVFP4 with global scale 1 (reference encode/decode, group max / 6)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_nvfp4_plugin.reference import nvfp4_decode, nvfp4_encode
+    from vllm_nvfp4_plugin.tools.models import smollm2_path
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_path())
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.bfloat16)
+    rows = []
+    with torch.no_grad():
+        for prompt in [p for batch in BATCHES for p in batch]:
+            hidden = model(tokenizer(prompt, return_tensors="pt").input_ids, output_hidden_states=True).hidden_states
+            for layer, h in zip(model.model.layers, hidden):
+                x = layer.input_layernorm(h)[0]
+                rows += [layer.self_attn.k_proj(x).reshape(-1, 64), layer.self_attn.v_proj(x).reshape(-1, 64)]
+    x = torch.cat(rows)
+    stores = {"bf16": lambda t: t, "FP8": lambda t: t.to(torch.float8_e4m3fn).float(),
+              "NVFP4": lambda t: nvfp4_decode(*nvfp4_encode(t, 1.0), 1.0)}
+    lines = [f"Last-bit perturbations re-quantized ({x.numel():,} key (before the rotary embedding) and value elements "
+             "of SmolLM2, bf16 weights, BATCHES' prompts; "
+             "each cache's stored value after the perturbation against before; RMS relative to bf16's):", "",
+             "| perturbed | cache | elements whose stored value changed | mean |Δ| | RMS Δ | RMS Δ / bf16's |",
+             "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    for fraction in fractions:
+        flip = (torch.rand(x.shape) < fraction) & (x != 0)
+        sign = torch.where(torch.rand(x.shape) < 0.5, 1, -1).to(torch.int16)
+        y = torch.where(flip, x.view(torch.int16) + sign, x.view(torch.int16)).view(torch.bfloat16)
+        base = None
+        for name, store in stores.items():
+            d = store(x.float()) - store(y.float())
+            rms = d.pow(2).mean().sqrt().item()
+            base = base or rms
+            lines.append(f"| {fraction:.0%} | {name} | {(d != 0).float().mean().item():.2%} | "
+                         f"{d.abs().mean().item():.2e} | {rms:.2e} | {rms / base:.1f} |")
+        scales = [nvfp4_encode(t.float(), 1.0)[1].view(torch.uint8) for t in (x, y)]
+        lines.append(f"| {fraction:.0%} | NVFP4 group scales | {(scales[0] != scales[1]).float().mean().item():.2%} "
+                     "| | | |")
     return lines
 
 
@@ -195,8 +299,16 @@ def main() -> None:
     parser.add_argument("--no-extras", action="store_true", help="leave out the stories and short workloads")
     parser.add_argument("--raw", help="write every run's outputs to this JSON file")
     parser.add_argument("--from-raw", nargs="+", help="analyse the runs of earlier --raw files instead of running")
+    parser.add_argument("--caches", nargs="+", default=list(CACHES), choices=list(CACHES),
+                        help="KV-cache dtypes to run (auto: vLLM's bf16 cache under bf16 weights)")
     parser.add_argument("--append", help="append the table to this markdown file")
+    parser.add_argument("--requantization", action="store_true",
+                        help="only the re-quantization of last-bit perturbations of SmolLM2's keys and values")
     args = parser.parse_args()
+
+    if args.requantization:
+        emit(requantization(), args.append)
+        return
 
     if args.from_raw:
         runs, stamps = {}, []
@@ -208,7 +320,7 @@ def main() -> None:
     else:
         started = time.monotonic()
         workloads = workload_set(parse_range(args.instructed), args.blocks, not args.no_extras)
-        runs = pressure_runs_together("bfloat16", workloads, timeout=6 * 3600)
+        runs = pressure_runs_together("bfloat16", workloads, timeout=6 * 3600, caches=tuple(args.caches))
         seconds = time.monotonic() - started
         header = f"`python benchmarks/pressure_divergence.py` ({stamp()}; {seconds / 60:.0f} min):"
         if args.raw:

@@ -36,10 +36,11 @@ PRESSURE_BLOCKS = 6  # vLLM keeps one block back: 5 usable blocks of 32, one or 
 MAX_MODEL_LEN = 128
 CANDIDATES = 5  # log-probabilities kept per generated token
 # Bound of a near-tie. Measured here: fp32 weights, no request diverged under pressure (NVFP4 and fp32 caches
-# alike); bf16 weights (BF16_WORKLOADS, benchmarks/pressure_divergence.py, PROMPTS), every divergence picked a token
-# within 0.375 nats of the other run's best (bf16 logits move in steps of 0.125 there), the chosen tokens'
-# log-probabilities up to 0.43 nats apart before it. The planted foreign page's first divergence picks a token outside
-# the other run's 5 best.
+# alike); bf16 weights (BF16_WORKLOADS, benchmarks/pressure_divergence.py, PROMPTS), the bf16 cache's divergences
+# picked a token within 0.25 nats of the other run's best, vLLM's FP8 cache's and NVFP4's within 0.5 (bf16 logits
+# move in steps of 0.125 there: a gap is a whole number of steps plus float32 noise, and the FP8 cache's 0.5 came out
+# 0.49999994, NVFP4's 0.50000006, either side of this strict bound), the chosen tokens' log-probabilities up to 0.43
+# nats apart before it. The planted foreign page's first divergence picks a token outside the other run's 5 best.
 NEAR_TIE_NATS = 0.5
 # oneDNN capped at AVX2 makes vLLM's fp32 CPU linears row-invariant (tests/test_serving.py): a request's tokens do
 # not depend on which others share its batch, so what differs under pressure is the recompute alone.
@@ -191,13 +192,14 @@ def pressure_runs(weights: str, workload: str) -> dict[str, dict]:
     return results
 
 
-def pressure_runs_together(weights: str, workloads: dict[str, tuple[list, int, int]],
-                           timeout: float = 1500) -> dict[str, dict[str, dict]]:
+def pressure_runs_together(weights: str, workloads: dict[str, tuple[list, int, int]], timeout: float = 1500,
+                           caches: tuple[str, ...] = ("auto", "nvfp4")) -> dict[str, dict[str, dict]]:
     """`pressure_runs` for many workloads (name: batches, tokens generated, blocks of the pressured cache) with few
-    engines: per cache one engine runs every workload free and one per pressure level runs that level's workloads,
-    vLLM's prefix cache reset between workloads (tests/vllm_jobs.py). {name: {"auto/free": run, ...}}"""
+    engines: per cache (`caches`: kv_cache_dtype values) one engine runs every workload free and one per pressure
+    level runs that level's workloads, vLLM's prefix cache reset between workloads (tests/vllm_jobs.py).
+    {name: {"auto/free": run, ...}}"""
     runs = {name: {} for name in workloads}
-    for cache in ("auto", "nvfp4"):
+    for cache in caches:
         for blocks in [None, *sorted({w[2] for w in workloads.values()})]:
             mode = "free" if blocks is None else "pressured"
             names = [n for n, w in workloads.items() if blocks in (None, w[2])]
