@@ -213,6 +213,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=15, help="graph replays timed (median)")
     parser.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s of the byte floor")
     parser.add_argument("--out", help="also write the table here")
+    parser.add_argument("--once", action="store_true",
+                        help="call the plugin's decode once per shape, eagerly, and time nothing (for a profiler)")
     parser.add_argument("--warm-flashinfer", action="store_true",
                         help="only build FlashInfer's JIT modules for these head sizes (128 and --head-sizes), then exit")
     args = parser.parse_args(argv)
@@ -235,6 +237,10 @@ def main(argv=None):
     cases += [(*shapes[0], *heads[0], int(d)) for d in args.head_sizes.split(",") if d]
     for b, l, hq, hkv, d in cases:
         case = Case([(1, l)] * b, hq, hkv, d, gen)
+        if args.once:
+            case.plugin()
+            torch.cuda.synchronize()
+            continue
         ms = t(case.plugin)
         row = [f"{b}×{l}, {hq}/{hkv}, {d}", f"{ms:.4f}", f"{case.nvfp4_bytes() / args.bandwidth * 1e3:.4f}",
                f"{case.nvfp4_bytes() / (ms * 1e-3) / 1e12:.2f}"]

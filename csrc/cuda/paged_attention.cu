@@ -104,14 +104,17 @@ __device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
   return half2_bits(__hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b)));
 }
 
-// float16 pair (code I, code I + 4) of the eight E2M1 codes in `w` (code k in nibble k), each its value / 2^14:
-// the code's sign goes to bit 15 and its exponent and mantissa bits to bits 11..9 of its half.
-template <int I>
-__device__ __forceinline__ uint32_t code_pair(uint32_t w) {
-  constexpr int SIGN = 12 - 4 * I, MAGNITUDE = 9 - 4 * I;
-  const uint32_t sign = (SIGN >= 0 ? w << SIGN : w >> -SIGN) & 0x80008000u;
-  const uint32_t magnitude = (MAGNITUDE >= 0 ? w << MAGNITUDE : w >> -MAGNITUDE) & 0x0E000E00u;
-  return sign | magnitude;
+// The float16 pairs h[I] = (code I, code I + 4), I = 0..3, of the eight E2M1 codes in `w` (code k in nibble k),
+// each its value / 2^14: a code's sign goes to bit 15 and its exponent and mantissa bits to bits 11..9 of its half,
+// so the half's high byte is sign << 7 | magnitude << 1 and its low byte is zero. The high bytes of the even and of
+// the odd codes are made four at a time; byte permutes pair them with zero low bytes (11 instructions, not 16).
+__device__ __forceinline__ void code_pairs(uint32_t w, uint32_t (&h)[4]) {
+  const uint32_t even = ((w << 1) & 0x0E0E0E0Eu) | ((w << 4) & 0x80808080u);  // byte j: code 2j
+  const uint32_t odd = ((w >> 3) & 0x0E0E0E0Eu) | (w & 0x80808080u);          // byte j: code 2j + 1
+  h[0] = __byte_perm(even, 0, 0x2404);
+  h[1] = __byte_perm(odd, 0, 0x2404);
+  h[2] = __byte_perm(even, 0, 0x3414);
+  h[3] = __byte_perm(odd, 0, 0x3414);
 }
 
 // Two E4M3 scale bytes (low byte first) as a float16 pair.
@@ -138,7 +141,7 @@ __device__ __forceinline__ void e4m3x4_to_half2(uint32_t x, uint32_t& lo, uint32
 #endif
 }
 
-// Eight FP8 key bytes of one 8-element group (`lo`: elements 0..3, `hi`: 4..7) as the float16 pairs code_pair<I>
+// Eight FP8 key bytes of one 8-element group (`lo`: elements 0..3, `hi`: 4..7) as the float16 pairs code_pairs
 // makes of a code word: h[I] = (element I, element I + 4).
 __device__ __forceinline__ void fp8_pairs(uint32_t lo, uint32_t hi, uint32_t (&h)[4]) {
   e4m3x4_to_half2(__byte_perm(lo, hi, 0x5140), h[0], h[1]);
@@ -326,7 +329,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
   tile_pages<D>(pages, p, table_row, G::STAGES - 1 < num_tiles ? tile_begin + G::STAGES - 1 : -1, kv_lo, kv_end);
 
   // This lane's two rows (g and g + 8 of the warp's 16): their query tokens, visible key ends and logit scales;
-  // their query quarters as float16 A fragments, in the order code_pair decodes K.
+  // their query quarters as float16 A fragments, in the order code_pairs decodes K.
   int row_limit[2], row_start[2];
   float row_scale[2];
   uint32_t qa[G::KSTEPS][4];
@@ -418,8 +421,10 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
           const uint32_t sf_byte = scales[u >> 1];
           const uint32_t sf = scale_pair(sf_byte | (sf_byte << 8));
           const uint32_t w = words[u];
-          mma_f16(s[nb], qa[2 * u], hmul2(code_pair<0>(w), sf), hmul2(code_pair<1>(w), sf));
-          mma_f16(s[nb], qa[2 * u + 1], hmul2(code_pair<2>(w), sf), hmul2(code_pair<3>(w), sf));
+          uint32_t h[4];
+          code_pairs(w, h);
+          mma_f16(s[nb], qa[2 * u], hmul2(h[0], sf), hmul2(h[1], sf));
+          mma_f16(s[nb], qa[2 * u + 1], hmul2(h[2], sf), hmul2(h[3], sf));
         }
       }
       // Online softmax in the log2 domain; element (nb, e) of row r is token 4t + 2nb + e of the step.
@@ -505,14 +510,16 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
         const uint32_t sf23 = scale_pair(sf_bytes[2] | (sf_bytes[3] << 8));
         const uint32_t lo01 = __byte_perm(vw[0][u], vw[1][u], 0x5410), hi01 = __byte_perm(vw[0][u], vw[1][u], 0x7632);
         const uint32_t lo23 = __byte_perm(vw[2][u], vw[3][u], 0x5410), hi23 = __byte_perm(vw[2][u], vw[3][u], 0x7632);
-        mma_f16(o[8 * u + 0], pa, hmul2(code_pair<0>(lo01), sf01), hmul2(code_pair<0>(lo23), sf23));
-        mma_f16(o[8 * u + 1], pa, hmul2(code_pair<1>(lo01), sf01), hmul2(code_pair<1>(lo23), sf23));
-        mma_f16(o[8 * u + 2], pa, hmul2(code_pair<2>(lo01), sf01), hmul2(code_pair<2>(lo23), sf23));
-        mma_f16(o[8 * u + 3], pa, hmul2(code_pair<3>(lo01), sf01), hmul2(code_pair<3>(lo23), sf23));
-        mma_f16(o[8 * u + 4], pa, hmul2(code_pair<0>(hi01), sf01), hmul2(code_pair<0>(hi23), sf23));
-        mma_f16(o[8 * u + 5], pa, hmul2(code_pair<1>(hi01), sf01), hmul2(code_pair<1>(hi23), sf23));
-        mma_f16(o[8 * u + 6], pa, hmul2(code_pair<2>(hi01), sf01), hmul2(code_pair<2>(hi23), sf23));
-        mma_f16(o[8 * u + 7], pa, hmul2(code_pair<3>(hi01), sf01), hmul2(code_pair<3>(hi23), sf23));
+        uint32_t l01[4], l23[4], h01[4], h23[4];
+        code_pairs(lo01, l01);
+        code_pairs(lo23, l23);
+        code_pairs(hi01, h01);
+        code_pairs(hi23, h23);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          mma_f16(o[8 * u + i], pa, hmul2(l01[i], sf01), hmul2(l23[i], sf23));
+          mma_f16(o[8 * u + 4 + i], pa, hmul2(h01[i], sf01), hmul2(h23[i], sf23));
+        }
       }
     }
   }
@@ -604,7 +611,8 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
 
 // --- decode kernel ------------------------------------------------------------------------------------
 //
-// For batches whose requests have at most 16 query rows (query tokens × the GQA group), the tokens take the MMA's
+// For batches whose requests have at most 16 query rows (query tokens × the GQA group), over pages of a multiple of
+// 16 keys (so a 16-key run of a chunk lies in one block), the tokens take the MMA's
 // M side: S^T = K · Q^T (m16 = 16 keys, n8 = 8 query rows, k16 = 16 channels) and O^T = V^T · P^T (m16 = 16
 // channels, k16 = 16 keys), so no tensor-core row is spent on the few query rows, and every lane decodes each
 // code it loads exactly once. A warp streams chunks of 32 keys straight from the pages into registers (one chunk
@@ -721,10 +729,8 @@ __device__ __forceinline__ int2 chunk_blocks(const Params& p, const int32_t* tab
   return make_int2(blocks[0], blocks[1]);
 }
 
-// Keys of one 16-key run: the byte offset of its first (key, head) entry's codes and of its scales, relative to the
-// cache side; -1 when it has no block. Block sizes a multiple of 16 use the run's block read ahead (`block`); others
-// read the table for the run's key `key` (all four V keys of a lane share a block when the scales are swizzled,
-// which needs block sizes a multiple of 4).
+// One 16-key run of a block: the byte offsets of its first (key, head) entry's codes and of its scales, relative to
+// the cache side; -1 when the run has no block.
 struct RunBase {
   int64_t data, scales;
 };
@@ -740,66 +746,45 @@ __device__ __forceinline__ RunBase run_base(const Params& p, int block, int pos,
   return {at + static_cast<int64_t>(entry) * row, at + data_bytes + static_cast<int64_t>(entry) * (d / 16)};
 }
 
-__device__ __forceinline__ int table_block(const Params& p, const int32_t* table_row, int pos) {
-  const int block = __ldg(table_row + block_position(p, pos).x);
-  return block >= 0 && block < p.num_blocks ? block : -1;
-}
+// Linear V scales: a byte of each of the lane's four V keys, per 16-key run and scale group.
+template <int D, bool FP8>
+using ScaleBytes = uint32_t[2][DecodeShape<D, FP8>::V_GROUPS][4];
 
-// One lane's bytes of the chunk at `chunk_start` (keys outside [lo, hi) or without a block read as zeros).
+// One lane's bytes of the chunk at `chunk_start`, whose two 16-key runs lie in `blocks` (keys outside [lo, hi) or
+// without a block read as zeros). Linear V scales land a byte a key in `scale_bytes`, to be joined into words by
+// join_v_scales only after the previous chunk's attention has hidden their loads' latency.
 template <int D, bool SWIZZLE, bool FP8>
-__device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, const Params& p,
-                                           const LaneOffsets<D, SWIZZLE, FP8>& lane, const int32_t* table_row,
-                                           int2 blocks, int head, int chunk_start, int lo, int hi) {
+__device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, ScaleBytes<D, FP8>& scale_bytes, const Params& p,
+                                           const LaneOffsets<D, SWIZZLE, FP8>& lane, int2 blocks, int head,
+                                           int chunk_start, int lo, int hi) {
   using S = DecodeShape<D, FP8>;
   const int g = (threadIdx.x % WARP) >> 2, t = threadIdx.x & 3, sigma = 2 * g - (g & 1);
   const int data_bytes = static_cast<int>(p.layout.data_region_bytes());
-  const bool runs = p.layout.block_size % 16 == 0;  // a 16-key run never crosses a block
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     const int run = chunk_start + 16 * b;
-    const int run_block = b ? blocks.y : blocks.x;
-    const RunBase k_base =
-        runs ? run_base(p, run_block, run, head, data_bytes, D, p.key_block_stride, S::K_ROW) : RunBase{0, 0};
-    const RunBase base =
-        runs ? run_base(p, run_block, run, head, data_bytes, D, p.value_block_stride, D / 2) : RunBase{0, 0};
+    const int block = b ? blocks.y : blocks.x;
+    const RunBase k_base = run_base(p, block, run, head, data_bytes, D, p.key_block_stride, S::K_ROW);
+    const RunBase base = run_base(p, block, run, head, data_bytes, D, p.value_block_stride, D / 2);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int pos = run + sigma + 2 * r;
-      RunBase at = {k_base.data + lane.k_data[r], k_base.scales + lane.k_scales[r]};
-      if (!runs && pos >= lo && pos < hi) {  // this key's own block and entry
-        at = run_base(p, table_block(p, table_row, pos), pos, head, data_bytes, D, p.key_block_stride, S::K_ROW);
-        if (at.data >= 0) at = {at.data + S::K_BYTES * t, at.scales + S::K_SCALES * t};
-      }
-      if (pos >= lo && pos < hi && (runs ? k_base.data : at.data) >= 0) {
-        load_words<S::K_BYTES>(c.k[b][r], p.key_cache + at.data);
-        if constexpr (!FP8) c.k_scales[b][r] = load_small<S::K_SCALES>(p.key_cache + at.scales);
+      if (block >= 0 && pos >= lo && pos < hi) {
+        load_words<S::K_BYTES>(c.k[b][r], p.key_cache + k_base.data + lane.k_data[r]);
+        if constexpr (!FP8) c.k_scales[b][r] = load_small<S::K_SCALES>(p.key_cache + k_base.scales + lane.k_scales[r]);
       } else {
 #pragma unroll
         for (int u = 0; u < S::K_WORDS; ++u) c.k[b][r][u] = 0;
         c.k_scales[b][r] = 0;
       }
     }
-    // V: keys run + 4t + i. Without runs, the four keys' blocks and entries are read key by key.
-    RunBase key_at[4];
-    uint32_t valid = 0;  // bit i: key 4t + i is read
+    uint32_t valid = 0;  // bit i: key run + 4t + i is read
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int pos = run + 4 * t + i;
-      const bool in_range = pos >= lo && pos < hi;
-      if (runs) {
-        key_at[i] = {base.data + lane.v_data[i], base.scales};
-        if (in_range && base.data >= 0) valid |= 1u << i;
-      } else {
-        key_at[i] = in_range ? run_base(p, table_block(p, table_row, pos), pos, head, data_bytes, D,
-                                        p.value_block_stride, D / 2)
-                             : RunBase{-1, -1};
-        if (key_at[i].data >= 0) {
-          valid |= 1u << i;
-          key_at[i].data += S::V_BYTES * g;
-        }
-      }
+      if (block >= 0 && pos >= lo && pos < hi) valid |= 1u << i;
       if (valid >> i & 1u) {
-        load_words<S::V_BYTES>(c.v[b][i], p.value_cache + key_at[i].data);
+        load_words<S::V_BYTES>(c.v[b][i], p.value_cache + base.data + lane.v_data[i]);
       } else {
 #pragma unroll
         for (int u = 0; u < S::V_WORDS; ++u) c.v[b][i][u] = 0;
@@ -807,36 +792,32 @@ __device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, const Params&
     }
 #pragma unroll
     for (int q = 0; q < S::V_GROUPS; ++q) {
-      uint32_t bytes = 0;
       if constexpr (SWIZZLE) {
-        // The word of the four keys' bytes sits in the scale row of key 4t + group / quarter of their block.
-        int64_t row = -1;
-        if (runs && base.data >= 0) row = base.scales + lane.v_scales[0][q];
-        if (!runs && valid) {
-          const int first = run + 4 * t;
-          const RunBase at =
-              run_base(p, table_block(p, table_row, first), first, head, data_bytes, D, p.value_block_stride, D / 2);
-          const int group = S::V_BYTES * 2 * g / 16 + q;
-          const int step = p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);
-          if (at.data >= 0) row = at.scales + (group / (D / 64)) * step * (D / 16) + (group % (D / 64)) * 4;
-        }
-        if (valid && row >= 0) {
-          bytes = __ldg(reinterpret_cast<const uint32_t*>(p.value_cache + row));
-          // A key outside the range has zero codes, but its scale byte may be anything (NaN · 0 is NaN): zero it.
-          bytes &= (valid & 1u ? 0xFFu : 0u) | (valid & 2u ? 0xFF00u : 0u) | (valid & 4u ? 0xFF0000u : 0u) |
-                   (valid & 8u ? 0xFF000000u : 0u);
-        }
+        // The word of the four keys' bytes sits in one scale row of their block. A key outside the range has zero
+        // codes, but its scale byte may be anything (NaN · 0 is NaN): zero it.
+        const uint32_t bytes =
+            valid ? __ldg(reinterpret_cast<const uint32_t*>(p.value_cache + base.scales + lane.v_scales[0][q])) : 0u;
+        c.v_scales[b][q] = bytes & ((valid & 1u ? 0xFFu : 0u) | (valid & 2u ? 0xFF00u : 0u) |
+                                    (valid & 4u ? 0xFF0000u : 0u) | (valid & 8u ? 0xFF000000u : 0u));
       } else {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          if (!(valid >> i & 1u)) continue;
-          const int group = S::V_BYTES * 2 * g / 16 + q;
-          const int64_t at = runs ? base.scales + lane.v_scales[i][q] : key_at[i].scales + group;
-          bytes |= static_cast<uint32_t>(__ldg(p.value_cache + at)) << (8 * i);
-        }
+        for (int i = 0; i < 4; ++i)
+          scale_bytes[b][q][i] = valid >> i & 1u ? __ldg(p.value_cache + base.scales + lane.v_scales[i][q]) : 0u;
       }
-      c.v_scales[b][q] = bytes;
     }
+  }
+}
+
+// Linear V scales: the four keys' bytes of each run and group into one word (byte i: key 4t + i).
+template <int D, bool SWIZZLE, bool FP8>
+__device__ __forceinline__ void join_v_scales(DecodeChunk<D, FP8>& c, const ScaleBytes<D, FP8>& bytes) {
+  if constexpr (!SWIZZLE) {
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+#pragma unroll
+      for (int q = 0; q < DecodeShape<D, FP8>::V_GROUPS; ++q)
+        c.v_scales[b][q] = __byte_perm(__byte_perm(bytes[b][q][0], bytes[b][q][1], 0x0040),
+                                       __byte_perm(bytes[b][q][2], bytes[b][q][3], 0x0040), 0x5410);
   }
 }
 
@@ -926,6 +907,9 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) m[nb][0] = m[nb][1] = -INFINITY, l[nb][0] = l[nb][1] = 0.0f;
   const int sigma = 2 * g - (g & 1);
+  // Keys every row of the request sees: from the last query's window start to the first query's position.
+  const int all_lo = p.sliding_window > 0 ? seq_len - p.sliding_window : 0;
+  const int all_hi = p.causal ? first_query_pos + 1 : seq_len;
 
   auto attend = [&](const DecodeChunk<D, FP8>& c, int chunk_start) {
     float s[2][NB][4];
@@ -958,10 +942,11 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
       for (int u = 0; u < S::K_WORDS; ++u) {
         const uint32_t w0 = c.k[b][0][u], w1 = c.k[b][1][u];
         const uint32_t f0 = sf[0][u >> 1], f1 = sf[1][u >> 1];
-        const uint32_t a0[4] = {hmul2(code_pair<0>(w0), f0), hmul2(code_pair<0>(w1), f1), hmul2(code_pair<1>(w0), f0),
-                                hmul2(code_pair<1>(w1), f1)};
-        const uint32_t a1[4] = {hmul2(code_pair<2>(w0), f0), hmul2(code_pair<2>(w1), f1), hmul2(code_pair<3>(w0), f0),
-                                hmul2(code_pair<3>(w1), f1)};
+        uint32_t h0[4], h1[4];
+        code_pairs(w0, h0);
+        code_pairs(w1, h1);
+        const uint32_t a0[4] = {hmul2(h0[0], f0), hmul2(h1[0], f1), hmul2(h0[1], f0), hmul2(h1[1], f1)};
+        const uint32_t a1[4] = {hmul2(h0[2], f0), hmul2(h1[2], f1), hmul2(h0[3], f0), hmul2(h1[3], f1)};
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
           mma_f16(s[b][nb], a0, qb[nb][2 * u][0], qb[nb][2 * u][1]);
@@ -969,7 +954,9 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
         }
       }
     }
-    // Online softmax (log2 domain) of rows 2t + e: this lane's keys σ(g) and σ(g) + 2 of both 16-key blocks.
+    // Online softmax (log2 domain) of rows 2t + e: this lane's keys σ(g) and σ(g) + 2 of both 16-key blocks. Only a
+    // chunk that reaches outside some row's visible keys is masked (rows past the batch see zeros: never stored).
+    const bool edge = chunk_start < all_lo || chunk_start + DECODE_CHUNK > all_hi;
     bool rescale = false;
     float alpha[NB][2];
 #pragma unroll
@@ -984,7 +971,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
             const int pos = chunk_start + 16 * b + sigma + 2 * r;
             float x = s[b][nb][2 * r + e] * row_scale[nb][e];
             if (p.soft_cap_log2 > 0.0f) x = p.soft_cap_log2 * tanhf(x / p.soft_cap_log2);
-            x = pos >= row_lo[nb][e] && pos < row_hi[nb][e] ? x : -INFINITY;
+            if (edge) x = pos >= row_lo[nb][e] && pos < row_hi[nb][e] ? x : -INFINITY;
             s[b][nb][2 * r + e] = x;
             chunk_max = fmaxf(chunk_max, x);
           }
@@ -1039,10 +1026,11 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
         for (int h = 0; h < 2; ++h) {
           const uint32_t x01 = halves[h][0], x23 = halves[h][1];
           // Codes 8u + 4h + I of the eighth: m-block 4u + 2h + I / 2, row g + 8 (I % 2).
-          const uint32_t a0[4] = {hmul2(code_pair<0>(x01), sf01), hmul2(code_pair<1>(x01), sf01),
-                                  hmul2(code_pair<0>(x23), sf23), hmul2(code_pair<1>(x23), sf23)};
-          const uint32_t a1[4] = {hmul2(code_pair<2>(x01), sf01), hmul2(code_pair<3>(x01), sf01),
-                                  hmul2(code_pair<2>(x23), sf23), hmul2(code_pair<3>(x23), sf23)};
+          uint32_t h01[4], h23[4];
+          code_pairs(x01, h01);
+          code_pairs(x23, h23);
+          const uint32_t a0[4] = {hmul2(h01[0], sf01), hmul2(h01[1], sf01), hmul2(h23[0], sf23), hmul2(h23[1], sf23)};
+          const uint32_t a1[4] = {hmul2(h01[2], sf01), hmul2(h01[3], sf01), hmul2(h23[2], sf23), hmul2(h23[3], sf23)};
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
             mma_f16(o[nb][4 * u + 2 * h], a0, pb[nb][0], pb[nb][1]);
@@ -1059,26 +1047,30 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
   const int mine =
       chunk_begin + warp < chunk_end ? (chunk_end - chunk_begin - warp + DECODE_WARPS - 1) / DECODE_WARPS : 0;
   auto chunk_start = [&](int i) { return (chunk0 + chunk_begin + warp + i * DECODE_WARPS) * DECODE_CHUNK; };
-  const bool runs = p.layout.block_size % 16 == 0;
   auto blocks_of = [&](int i) {
-    return runs && i < mine ? chunk_blocks(p, table_row, chunk_start(i), seq_len) : make_int2(-1, -1);
+    return i < mine ? chunk_blocks(p, table_row, chunk_start(i), seq_len) : make_int2(-1, -1);
   };
   DecodeChunk<D, FP8> even, odd;
+  ScaleBytes<D, FP8> scale_bytes;
   int2 next_blocks = blocks_of(1);
-  if (mine > 0)
-    load_chunk<D, SWIZZLE, FP8>(even, p, offsets, table_row, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
+  if (mine > 0) {
+    load_chunk<D, SWIZZLE, FP8>(even, scale_bytes, p, offsets, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
+    join_v_scales<D, SWIZZLE, FP8>(even, scale_bytes);
+  }
   for (int i = 0; i < mine; i += 2) {
     int2 later = blocks_of(i + 2);
     if (i + 1 < mine)
-      load_chunk<D, SWIZZLE, FP8>(odd, p, offsets, table_row, next_blocks, head, chunk_start(i + 1), kv_lo, seq_len);
+      load_chunk<D, SWIZZLE, FP8>(odd, scale_bytes, p, offsets, next_blocks, head, chunk_start(i + 1), kv_lo, seq_len);
     next_blocks = later;
     attend(even, chunk_start(i));
     if (i + 1 >= mine) break;
+    join_v_scales<D, SWIZZLE, FP8>(odd, scale_bytes);
     later = blocks_of(i + 3);
     if (i + 2 < mine)
-      load_chunk<D, SWIZZLE, FP8>(even, p, offsets, table_row, next_blocks, head, chunk_start(i + 2), kv_lo, seq_len);
+      load_chunk<D, SWIZZLE, FP8>(even, scale_bytes, p, offsets, next_blocks, head, chunk_start(i + 2), kv_lo, seq_len);
     next_blocks = later;
     attend(odd, chunk_start(i + 1));
+    join_v_scales<D, SWIZZLE, FP8>(even, scale_bytes);
   }
 
   // Merge the four warps: each publishes its rows' max, sum and unnormalized output (channel (D/8) g + c holds
@@ -1290,23 +1282,24 @@ void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_
   if (splits > 1) launch_combine<D, T>(p, num_reqs, query.size(1), query_start_loc, stream);
 }
 
-// FP8 keys at head 256 skip the decode kernel: two chunks of its keys in registers would spill.
+// The decode kernel reads 16-key runs that never cross a block, so block sizes that are not a multiple of 16 run
+// the fused kernel, as do FP8 keys at head 256 (two chunks of their keys in registers would spill).
 template <int D, bool FP8, typename T>
 void dispatch_rows(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
                    const Tensor& query_start_loc, const Tensor& out, cudaStream_t stream) {
   const int64_t rows = max_query_len * p.group;
   const bool swizzle = p.layout.swizzle_v_scales;
   if constexpr (!(FP8 && D == 256)) {
-    if (rows <= 8 && swizzle)
-      return launch_decode<D, 1, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
-    if (rows <= 8)
-      return launch_decode<D, 1, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc,
-                                                stream);
-    if (rows <= 16 && swizzle)
-      return launch_decode<D, 2, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, stream);
-    if (rows <= 16)
-      return launch_decode<D, 2, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc,
-                                                stream);
+    if (p.layout.block_size % 16 == 0 && rows <= 8)
+      return swizzle ? launch_decode<D, 1, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
+                                                         query_start_loc, stream)
+                     : launch_decode<D, 1, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
+                                                          query_start_loc, stream);
+    if (p.layout.block_size % 16 == 0 && rows <= 16)
+      return swizzle ? launch_decode<D, 2, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
+                                                         query_start_loc, stream)
+                     : launch_decode<D, 2, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
+                                                          query_start_loc, stream);
   }
   if (rows <= 32)
     launch<D, 2, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
