@@ -653,6 +653,13 @@ struct DecodeChunk {
   uint32_t v_scales[2][S::V_GROUPS];  // byte i: key 4t + i
 };
 
+// c += a · (a B fragment read from shared memory now: a volatile load, so that it is not hoisted into registers).
+__device__ __forceinline__ void mma_query(float (&c)[4], const uint32_t (&a)[4], const uint2& frag) {
+  uint32_t b0, b1;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(b0), "=r"(b1) : "r"(smem_address(&frag)));
+  mma_f16(c, a, b0, b1);
+}
+
 __device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
   uint32_t y;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
@@ -685,34 +692,35 @@ __device__ __forceinline__ uint32_t load_small(const uint8_t* src) {
     return __ldg(reinterpret_cast<const uint32_t*>(src));
 }
 
+// Entries from one key of a block to the next (a uniform value, recomputed where used rather than kept in registers).
+__device__ __forceinline__ int entry_step(const Params& p) {
+  return p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);
+}
+
 // This lane's byte offsets inside a 16-key run of one block (from the run's first (key, head) entry), in either
-// cache side: its K keys' code quarters and scale bytes, its V keys' code eighths and scale bytes (linear: a byte a
-// key; swizzled: the 32-bit word holding its four keys' bytes).
+// cache side: its first K key's code quarter and scale bytes (its second K key lies 2 entry_step entries further),
+// its first V key's code eighth (the next three follow an entry_step apart) and the 32-bit words of V scales it
+// loads. Swizzled: the word holding its four keys' bytes of each of its groups. Linear: word (g / 4 + 2q) mod
+// (D / 64) of key 4t + g % 4's scale row, for q < V_GROUPS; the eight lanes of a t load every word that holds a
+// byte they need, and shuffle the bytes to their owners (join_v_scales).
 template <int D, bool SWIZZLE, bool FP8>
 struct LaneOffsets {
   using S = DecodeShape<D, FP8>;
-  int k_data[2], k_scales[2], v_data[4], v_scales[SWIZZLE ? 1 : 4][S::V_GROUPS];
+  int k_data, k_scales, v_data, v_scales[S::V_GROUPS];
 
   __device__ LaneOffsets(const Params& p) {
     const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, sigma = 2 * g - (g & 1);
-    const int step = p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);  // entries from a key to the next
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      k_data[r] = (sigma + 2 * r) * step * S::K_ROW + S::K_BYTES * t;
-      k_scales[r] = (sigma + 2 * r) * step * (D / 16) + S::K_SCALES * t;
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) v_data[i] = (4 * t + i) * step * (D / 2) + S::V_BYTES * g;
+    const int step = entry_step(p);
+    k_data = sigma * step * S::K_ROW + S::K_BYTES * t;
+    k_scales = sigma * step * (D / 16) + S::K_SCALES * t;
+    v_data = 4 * t * step * (D / 2) + S::V_BYTES * g;
 #pragma unroll
     for (int q = 0; q < S::V_GROUPS; ++q) {
       const int group = S::V_BYTES * 2 * g / 16 + q;
-      if constexpr (SWIZZLE) {  // key k's byte of group G: row (k & ~3) + G / quarter, byte (G % quarter) · 4 + k % 4
-        constexpr int QUARTER = D / 64;
-        v_scales[0][q] = (4 * t + group / QUARTER) * step * (D / 16) + (group % QUARTER) * 4;
-      } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v_scales[i][q] = (4 * t + i) * step * (D / 16) + group;
-      }
+      constexpr int QUARTER = D / 64;  // swizzled: key k's byte of group G is in row (k & ~3) + G / quarter, at
+                                       // byte (G % quarter) · 4 + k % 4
+      v_scales[q] = SWIZZLE ? (4 * t + group / QUARTER) * step * (D / 16) + (group % QUARTER) * 4
+                            : (4 * t + g % 4) * step * (D / 16) + 4 * ((g / 4 + 2 * q) % (D / 64));
     }
   }
 };
@@ -746,20 +754,21 @@ __device__ __forceinline__ RunBase run_base(const Params& p, int block, int pos,
   return {at + static_cast<int64_t>(entry) * row, at + data_bytes + static_cast<int64_t>(entry) * (d / 16)};
 }
 
-// Linear V scales: a byte of each of the lane's four V keys, per 16-key run and scale group.
+// Linear V scales: the words a lane loads, per 16-key run (LaneOffsets).
 template <int D, bool FP8>
-using ScaleBytes = uint32_t[2][DecodeShape<D, FP8>::V_GROUPS][4];
+using ScaleWords = uint32_t[2][DecodeShape<D, FP8>::V_GROUPS];
 
 // One lane's bytes of the chunk at `chunk_start`, whose two 16-key runs lie in `blocks` (keys outside [lo, hi) or
-// without a block read as zeros). Linear V scales land a byte a key in `scale_bytes`, to be joined into words by
-// join_v_scales only after the previous chunk's attention has hidden their loads' latency.
+// without a block read as zeros). Linear V scales land in `scale_words`, to be gathered by join_v_scales only after
+// the previous chunk's attention has hidden their loads' latency.
 template <int D, bool SWIZZLE, bool FP8>
-__device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, ScaleBytes<D, FP8>& scale_bytes, const Params& p,
+__device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, ScaleWords<D, FP8>& scale_words, const Params& p,
                                            const LaneOffsets<D, SWIZZLE, FP8>& lane, int2 blocks, int head,
                                            int chunk_start, int lo, int hi) {
   using S = DecodeShape<D, FP8>;
   const int g = (threadIdx.x % WARP) >> 2, t = threadIdx.x & 3, sigma = 2 * g - (g & 1);
   const int data_bytes = static_cast<int>(p.layout.data_region_bytes());
+  const int step = entry_step(p);
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     const int run = chunk_start + 16 * b;
@@ -770,8 +779,10 @@ __device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, ScaleBytes<D,
     for (int r = 0; r < 2; ++r) {
       const int pos = run + sigma + 2 * r;
       if (block >= 0 && pos >= lo && pos < hi) {
-        load_words<S::K_BYTES>(c.k[b][r], p.key_cache + k_base.data + lane.k_data[r]);
-        if constexpr (!FP8) c.k_scales[b][r] = load_small<S::K_SCALES>(p.key_cache + k_base.scales + lane.k_scales[r]);
+        load_words<S::K_BYTES>(c.k[b][r], p.key_cache + k_base.data + lane.k_data + 2 * r * step * S::K_ROW);
+        if constexpr (!FP8)
+          c.k_scales[b][r] =
+              load_small<S::K_SCALES>(p.key_cache + k_base.scales + lane.k_scales + 2 * r * step * (D / 16));
       } else {
 #pragma unroll
         for (int u = 0; u < S::K_WORDS; ++u) c.k[b][r][u] = 0;
@@ -784,7 +795,7 @@ __device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, ScaleBytes<D,
       const int pos = run + 4 * t + i;
       if (block >= 0 && pos >= lo && pos < hi) valid |= 1u << i;
       if (valid >> i & 1u) {
-        load_words<S::V_BYTES>(c.v[b][i], p.value_cache + base.data + lane.v_data[i]);
+        load_words<S::V_BYTES>(c.v[b][i], p.value_cache + base.data + lane.v_data + i * step * (D / 2));
       } else {
 #pragma unroll
         for (int u = 0; u < S::V_WORDS; ++u) c.v[b][i][u] = 0;
@@ -796,28 +807,43 @@ __device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, ScaleBytes<D,
         // The word of the four keys' bytes sits in one scale row of their block. A key outside the range has zero
         // codes, but its scale byte may be anything (NaN · 0 is NaN): zero it.
         const uint32_t bytes =
-            valid ? __ldg(reinterpret_cast<const uint32_t*>(p.value_cache + base.scales + lane.v_scales[0][q])) : 0u;
+            valid ? __ldg(reinterpret_cast<const uint32_t*>(p.value_cache + base.scales + lane.v_scales[q])) : 0u;
         c.v_scales[b][q] = bytes & ((valid & 1u ? 0xFFu : 0u) | (valid & 2u ? 0xFF00u : 0u) |
                                     (valid & 4u ? 0xFF0000u : 0u) | (valid & 8u ? 0xFF000000u : 0u));
       } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i)
-          scale_bytes[b][q][i] = valid >> i & 1u ? __ldg(p.value_cache + base.scales + lane.v_scales[i][q]) : 0u;
+        const bool key_read = valid >> (g % 4) & 1u;  // a zero word for a key outside the range
+        scale_words[b][q] =
+            key_read ? __ldg(reinterpret_cast<const uint32_t*>(p.value_cache + base.scales + lane.v_scales[q])) : 0u;
       }
     }
   }
 }
 
-// Linear V scales: the four keys' bytes of each run and group into one word (byte i: key 4t + i).
+// Linear V scales: each lane's bytes of its four keys 4t + i (byte i), per run and group, gathered from the words
+// its t's lanes loaded: key 4t + i's word w is held by lane g = i + 4 (w % 2), as its load w / 2.
 template <int D, bool SWIZZLE, bool FP8>
-__device__ __forceinline__ void join_v_scales(DecodeChunk<D, FP8>& c, const ScaleBytes<D, FP8>& bytes) {
+__device__ __forceinline__ void join_v_scales(DecodeChunk<D, FP8>& c, const ScaleWords<D, FP8>& words) {
+  using S = DecodeShape<D, FP8>;
   if constexpr (!SWIZZLE) {
+    const int g = (threadIdx.x % WARP) >> 2, t = threadIdx.x & 3;
+    const int group = S::V_BYTES * 2 * g / 16, word = group / 4;  // all of a lane's groups share one word
 #pragma unroll
-    for (int b = 0; b < 2; ++b)
+    for (int b = 0; b < 2; ++b) {
+      uint32_t got[4][S::V_GROUPS];
 #pragma unroll
-      for (int q = 0; q < DecodeShape<D, FP8>::V_GROUPS; ++q)
-        c.v_scales[b][q] = __byte_perm(__byte_perm(bytes[b][q][0], bytes[b][q][1], 0x0040),
-                                       __byte_perm(bytes[b][q][2], bytes[b][q][3], 0x0040), 0x5410);
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int l = 0; l < S::V_GROUPS; ++l)
+          got[i][l] = __shfl_sync(0xffffffffu, words[b][l], 4 * (i + 4 * (word % 2)) + t);
+#pragma unroll
+      for (int q = 0; q < S::V_GROUPS; ++q) {
+        const int byte = 4 * (word / 2) + (group + q) % 4;  // in the pair (load 0, load V_GROUPS - 1)
+        uint32_t x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = __byte_perm(got[i][0], got[i][S::V_GROUPS - 1], byte);
+        c.v_scales[b][q] = __byte_perm(__byte_perm(x[0], x[1], 0x0040), __byte_perm(x[2], x[3], 0x0040), 0x5410);
+      }
+    }
   }
 }
 
@@ -836,6 +862,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
   using S = DecodeShape<D, FP8>;
   constexpr int QROWS = 8 * NB;
   __shared__ float merge_m[DECODE_WARPS][QROWS], merge_l[DECODE_WARPS][QROWS];
+  __shared__ uint2 query_frags[NB][S::KSTEPS][WARP];  // the B fragments, the same in every warp
   extern __shared__ float merge_o[];  // [DECODE_WARPS][QROWS][D]
 
   const int head = blockIdx.x, split = blockIdx.y, request = blockIdx.z;
@@ -856,11 +883,10 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
   const int chunk_end = split == p.num_splits - 1 ? chunks : min(chunks, chunk_begin + p.tiles_per_split);
 
   // Query rows as B fragments (row g of each n8 block, this lane's channel quarter t), scaled per row by a power
-  // of two into float16's range; the logit scale and visible range of the two rows (2t, 2t + 1) whose S^T
-  // columns this lane holds.
-  uint32_t qb[NB][S::KSTEPS][2];
+  // of two into float16's range; the logit scale of the two rows (2t, 2t + 1) whose S^T columns this lane holds.
+  // The fragments wait in shared memory and are read at each use: in registers they would push the chunks' bytes
+  // into local memory.
   float row_scale[NB][2];
-  int row_lo[NB][2], row_hi[NB][2];
 #pragma unroll
   for (int nb = 0; nb < NB; ++nb) {
     const int row = nb * 8 + g;
@@ -885,18 +911,14 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
 #pragma unroll
     for (int j = 0; j < S::KSTEPS; ++j) {
       const int base = 8 * (j >> 1) + 2 * (j & 1);
-      qb[nb][j][0] = pack_half2(q[base] * up, q[base + 4] * up);
-      qb[nb][j][1] = pack_half2(q[base + 1] * up, q[base + 5] * up);
+      if (warp == 0)
+        query_frags[nb][j][lane] =
+            make_uint2(pack_half2(q[base] * up, q[base + 4] * up), pack_half2(q[base + 1] * up, q[base + 5] * up));
     }
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int col = nb * 8 + 2 * t + e;
-      row_scale[nb][e] = __shfl_sync(0xffffffffu, own_scale, 4 * (2 * t + e));
-      const int pos = first_query_pos + col / p.group;
-      row_hi[nb][e] = col >= num_rows ? 0 : p.causal ? pos + 1 : seq_len;
-      row_lo[nb][e] = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
-    }
+    for (int e = 0; e < 2; ++e) row_scale[nb][e] = __shfl_sync(0xffffffffu, own_scale, 4 * (2 * t + e));
   }
+  __syncthreads();  // query_frags
 
   float o[NB][S::MBLOCKS][4];
 #pragma unroll
@@ -910,6 +932,13 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
   // Keys every row of the request sees: from the last query's window start to the first query's position.
   const int all_lo = p.sliding_window > 0 ? seq_len - p.sliding_window : 0;
   const int all_hi = p.causal ? first_query_pos + 1 : seq_len;
+  // Whether row `col` (S^T column) sees key `pos`; rows past the batch see none.
+  auto visible = [&](int col, int pos) {
+    const int query_pos = first_query_pos + col / p.group;
+    const int hi = col >= num_rows ? 0 : p.causal ? query_pos + 1 : seq_len;
+    const int lo = p.sliding_window > 0 ? query_pos - p.sliding_window + 1 : 0;
+    return pos >= lo && pos < hi;
+  };
 
   auto attend = [&](const DecodeChunk<D, FP8>& c, int chunk_start) {
     float s[2][NB][4];
@@ -926,8 +955,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
           const uint32_t a0[4] = {h0[0], h1[0], h0[1], h1[1]}, a1[4] = {h0[2], h1[2], h0[3], h1[3]};
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
-            mma_f16(s[b][nb], a0, qb[nb][2 * u][0], qb[nb][2 * u][1]);
-            mma_f16(s[b][nb], a1, qb[nb][2 * u + 1][0], qb[nb][2 * u + 1][1]);
+            mma_query(s[b][nb], a0, query_frags[nb][2 * u][lane]);
+            mma_query(s[b][nb], a1, query_frags[nb][2 * u + 1][lane]);
           }
         }
         continue;
@@ -949,8 +978,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
         const uint32_t a1[4] = {hmul2(h0[2], f0), hmul2(h1[2], f1), hmul2(h0[3], f0), hmul2(h1[3], f1)};
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
-          mma_f16(s[b][nb], a0, qb[nb][2 * u][0], qb[nb][2 * u][1]);
-          mma_f16(s[b][nb], a1, qb[nb][2 * u + 1][0], qb[nb][2 * u + 1][1]);
+          mma_query(s[b][nb], a0, query_frags[nb][2 * u][lane]);
+          mma_query(s[b][nb], a1, query_frags[nb][2 * u + 1][lane]);
         }
       }
     }
@@ -971,7 +1000,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
             const int pos = chunk_start + 16 * b + sigma + 2 * r;
             float x = s[b][nb][2 * r + e] * row_scale[nb][e];
             if (p.soft_cap_log2 > 0.0f) x = p.soft_cap_log2 * tanhf(x / p.soft_cap_log2);
-            if (edge) x = pos >= row_lo[nb][e] && pos < row_hi[nb][e] ? x : -INFINITY;
+            if (edge && !visible(nb * 8 + 2 * t + e, pos)) x = -INFINITY;
             s[b][nb][2 * r + e] = x;
             chunk_max = fmaxf(chunk_max, x);
           }
@@ -1051,26 +1080,26 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
     return i < mine ? chunk_blocks(p, table_row, chunk_start(i), seq_len) : make_int2(-1, -1);
   };
   DecodeChunk<D, FP8> even, odd;
-  ScaleBytes<D, FP8> scale_bytes;
+  ScaleWords<D, FP8> scale_words;
   int2 next_blocks = blocks_of(1);
   if (mine > 0) {
-    load_chunk<D, SWIZZLE, FP8>(even, scale_bytes, p, offsets, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
-    join_v_scales<D, SWIZZLE, FP8>(even, scale_bytes);
+    load_chunk<D, SWIZZLE, FP8>(even, scale_words, p, offsets, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
+    join_v_scales<D, SWIZZLE, FP8>(even, scale_words);
   }
   for (int i = 0; i < mine; i += 2) {
     int2 later = blocks_of(i + 2);
     if (i + 1 < mine)
-      load_chunk<D, SWIZZLE, FP8>(odd, scale_bytes, p, offsets, next_blocks, head, chunk_start(i + 1), kv_lo, seq_len);
+      load_chunk<D, SWIZZLE, FP8>(odd, scale_words, p, offsets, next_blocks, head, chunk_start(i + 1), kv_lo, seq_len);
     next_blocks = later;
     attend(even, chunk_start(i));
     if (i + 1 >= mine) break;
-    join_v_scales<D, SWIZZLE, FP8>(odd, scale_bytes);
+    join_v_scales<D, SWIZZLE, FP8>(odd, scale_words);
     later = blocks_of(i + 3);
     if (i + 2 < mine)
-      load_chunk<D, SWIZZLE, FP8>(even, scale_bytes, p, offsets, next_blocks, head, chunk_start(i + 2), kv_lo, seq_len);
+      load_chunk<D, SWIZZLE, FP8>(even, scale_words, p, offsets, next_blocks, head, chunk_start(i + 2), kv_lo, seq_len);
     next_blocks = later;
     attend(odd, chunk_start(i + 1));
-    join_v_scales<D, SWIZZLE, FP8>(even, scale_bytes);
+    join_v_scales<D, SWIZZLE, FP8>(even, scale_words);
   }
 
   // Merge the four warps: each publishes its rows' max, sum and unnormalized output (channel (D/8) g + c holds
