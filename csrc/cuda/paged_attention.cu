@@ -36,6 +36,7 @@
 #include <torch/csrc/stable/ops.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -1247,7 +1248,25 @@ void launch_combine(const Params& p, int64_t num_reqs, int64_t q_heads, const Te
   check_launch("nvfp4_paged_attention (combine)");
 }
 
-// The decode kernel: one CTA per (KV head, split, request); splits fill the GPU twice over, each at least 8 chunks.
+// Splits of each CTA's KV range: from half to twice as many as fill the GPU twice over (each at least 8 chunks),
+// the count whose CTAs best fill their last wave of `resident` (fewest splits within 3% of the best): a wave left
+// mostly empty would cost as much as a full one.
+int64_t wave_filling_splits(int64_t ctas, int64_t resident, int64_t chunk_bound) {
+  const int64_t most = std::max<int64_t>(1, chunk_bound / 8);
+  const int64_t twice_over = std::clamp<int64_t>((2 * resident + ctas - 1) / ctas, 1, most);
+  auto waste = [&](int64_t splits) {  // full-wave time over busy time
+    const double waves = static_cast<double>(ctas * splits) / resident;
+    return std::ceil(waves) / waves;
+  };
+  int64_t best = twice_over;
+  for (int64_t splits = std::max<int64_t>(1, twice_over / 2); splits <= std::min(most, 2 * twice_over); ++splits)
+    if (waste(splits) < waste(best)) best = splits;
+  for (int64_t splits = std::max<int64_t>(1, twice_over / 2); splits <= best; ++splits)
+    if (waste(splits) <= waste(best) * 1.03) return splits;
+  return best;
+}
+
+// The decode kernel: one CTA per (KV head, split, request), splits from wave_filling_splits.
 template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
 void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
                    const Tensor& query_start_loc, cudaStream_t stream) {
@@ -1263,7 +1282,7 @@ void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t m
   const int64_t ctas = num_reqs * p.layout.num_heads;
   const int64_t chunk_bound =
       std::max<int64_t>(1, (visible_keys_bound(p, max_query_len, max_seq_len) + DECODE_CHUNK - 1) / DECODE_CHUNK + 1);
-  int64_t splits = std::clamp<int64_t>((2 * resident + ctas - 1) / ctas, 1, std::max<int64_t>(1, chunk_bound / 8));
+  int64_t splits = wave_filling_splits(ctas, resident, chunk_bound);
   p.tiles_per_split = static_cast<int>((chunk_bound + splits - 1) / splits);
   splits = (chunk_bound + p.tiles_per_split - 1) / p.tiles_per_split;
   Tensor partial_out, partial_lse;
