@@ -225,7 +225,7 @@ def table(result: dict, header: str) -> list[str]:
                      f"{', '.join(map(number, g['sorted'])) or '—'} |")
     lines += ["", "Before any divergence: how far the pressured run's best log-probability moved from its free run's, "
               "per generated token (and, per request, how many moved by more than 0.1 nats at some token):", "",
-              "| cache | tokens compared | tokens that moved | mean |Δ| (nats) | 99th percentile | largest | requests over 0.1 nats |",
+              "| cache | tokens compared | tokens that moved | mean \\|Δ\\| (nats) | 99th percentile | largest | requests over 0.1 nats |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in caches:
         d = result["drift"][c]
@@ -238,7 +238,7 @@ def table(result: dict, header: str) -> list[str]:
     if result["format_error"]:
         lines += ["", "The format's own error, no pressure: each quantized cache's free run against the bf16 cache's "
                   "free run, the best log-probability's |difference| per token before the two part:", "",
-                  "| cache | tokens compared | mean |Δ| (nats) | 99th percentile | largest | requests whose free run parts from bf16's |",
+                  "| cache | tokens compared | mean \\|Δ\\| (nats) | 99th percentile | largest | requests whose free run parts from bf16's |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for q, d in result["format_error"].items():
             lines.append(f"| {label[q]} | {d['tokens']:,} | {d['mean']:.4f} | {d['p99']:.3f} | {d['max']:.3f} | "
@@ -273,7 +273,7 @@ def requantization(fractions: tuple[float, ...] = (0.05, 0.3)) -> list[str]:
     lines = [f"Last-bit perturbations re-quantized ({x.numel():,} key (before the rotary embedding) and value elements "
              "of SmolLM2, bf16 weights, BATCHES' prompts; "
              "each cache's stored value after the perturbation against before; RMS relative to bf16's):", "",
-             "| perturbed | cache | elements whose stored value changed | mean |Δ| | RMS Δ | RMS Δ / bf16's |",
+             "| perturbed | cache | elements whose stored value changed | mean \\|Δ\\| | RMS Δ | RMS Δ / bf16's |",
              "| ---: | --- | ---: | ---: | ---: | ---: |"]
     for fraction in fractions:
         flip = (torch.rand(x.shape) < fraction) & (x != 0)
