@@ -855,10 +855,11 @@ __device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, ui
   s1 = __byte_perm(h, h, 0x3232);
 }
 
-// Three CTAs an SM where the registers allow (168 a thread), two for the wide cases (head 256, or 16 query rows).
-// FP8 keys hold twice the K bytes in flight: two CTAs an SM from head 128 (head 256 runs the fused kernel).
+// CTAs an SM as the registers allow: four for head 64's decode (128 registers a thread), three (168) up to head 128,
+// two for the wide cases (head 256, or 16 query rows). FP8 keys hold twice the K bytes in flight: two CTAs an SM
+// from head 128 (head 256 runs the fused kernel).
 template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
-__global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 ? 2 : 3)
+__global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 ? 2 : D * NB * (FP8 ? 2 : 1) == 64 ? 4 : 3)
     nvfp4_paged_decode_kernel(Params p) {
   using S = DecodeShape<D, FP8>;
   constexpr int QROWS = 8 * NB;
@@ -933,13 +934,6 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
   // Keys every row of the request sees: from the last query's window start to the first query's position.
   const int all_lo = p.sliding_window > 0 ? seq_len - p.sliding_window : 0;
   const int all_hi = p.causal ? first_query_pos + 1 : seq_len;
-  // Whether row `col` (S^T column) sees key `pos`; rows past the batch see none.
-  auto visible = [&](int col, int pos) {
-    const int query_pos = first_query_pos + col / p.group;
-    const int hi = col >= num_rows ? 0 : p.causal ? query_pos + 1 : seq_len;
-    const int lo = p.sliding_window > 0 ? query_pos - p.sliding_window + 1 : 0;
-    return pos >= lo && pos < hi;
-  };
 
   auto attend = [&](const DecodeChunk<D, FP8>& c, int chunk_start) {
     float s[2][NB][4];
@@ -993,18 +987,27 @@ __global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 
     for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
+        // Each step over the row's four logits is a loop of its own, so that the rare ones stay out of the way.
+        float* row_logits[4] = {&s[0][nb][e], &s[0][nb][2 + e], &s[1][nb][e], &s[1][nb][2 + e]};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) *row_logits[k] *= row_scale[nb][e];
+        if (p.soft_cap_log2 > 0.0f) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) *row_logits[k] = p.soft_cap_log2 * tanhf(*row_logits[k] / p.soft_cap_log2);
+        }
+        if (edge) {  // keys outside the row's view (rows past the batch see none)
+          const int col = nb * 8 + 2 * t + e, query_pos = first_query_pos + col / p.group;
+          const int hi = col >= num_rows ? 0 : p.causal ? query_pos + 1 : seq_len;
+          const int lo = p.sliding_window > 0 ? query_pos - p.sliding_window + 1 : 0;
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {  // logit k: key 16 (k / 2) + σ(g) + 2 (k % 2) of the chunk
+            const int pos = chunk_start + 16 * (k / 2) + sigma + 2 * (k % 2);
+            if (pos < lo || pos >= hi) *row_logits[k] = -INFINITY;
+          }
+        }
         float chunk_max = -INFINITY;
 #pragma unroll
-        for (int b = 0; b < 2; ++b)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int pos = chunk_start + 16 * b + sigma + 2 * r;
-            float x = s[b][nb][2 * r + e] * row_scale[nb][e];
-            if (p.soft_cap_log2 > 0.0f) x = p.soft_cap_log2 * tanhf(x / p.soft_cap_log2);
-            if (edge && !visible(nb * 8 + 2 * t + e, pos)) x = -INFINITY;
-            s[b][nb][2 * r + e] = x;
-            chunk_max = fmaxf(chunk_max, x);
-          }
+        for (int k = 0; k < 4; ++k) chunk_max = fmaxf(chunk_max, *row_logits[k]);
 #pragma unroll
         for (int lanes = 4; lanes < WARP; lanes *= 2)
           chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, lanes));
