@@ -1,7 +1,8 @@
 // CUDA kernels of `nvfp4_paged_attention`: attention read straight from the NVFP4 pages (docs/FORMATS.md §1), for
 // decode, prefill, chunked prefill and mixed batches in one launch (plus a combine pass when split-KV), with an
 // optional sliding window (keys before it are never read), logit soft-cap and per-head sinks. Batches of at most
-// 16 query rows a request run the decode kernel (further down); larger ones run the fused kernel described here.
+// 16 query rows a request over pages of a multiple of 16 keys run the decode kernel (further down); the others run
+// the fused kernel described here.
 //
 // One CTA of 4 warps owns one (request, KV head, tile of query rows, KV split). A query row is a (query token,
 // query head of the KV head's GQA group) pair, so every query head of a group and every token of a multi-token
