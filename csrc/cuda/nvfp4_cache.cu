@@ -314,12 +314,13 @@ bool cache_aligned(const Tensor& key_cache, const Tensor& value_cache) {
          key_cache.stride(0) % 8 == 0 && value_cache.stride(0) % 8 == 0;
 }
 
-void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
-                                  const Tensor& slot_mapping, const Tensor& k_scale, const Tensor& v_scale,
-                                  bool swizzle_v_scales) {
-  const char* op = "reshape_and_cache_nvfp4";
+// Both stores share one launcher: the plain rule (a vector or a scalar kernel, NVFP4 or FP8 keys) or vLLM's 4over6
+// choice.
+void store_cuda(const char* op, bool four_over_six, const Tensor& key, const Tensor& value, Tensor& key_cache,
+                Tensor& value_cache, const Tensor& slot_mapping, const Tensor& k_scale, const Tensor& v_scale,
+                bool swizzle_v_scales) {
   const NVFP4PageLayout layout = check_reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping,
-                                                               k_scale, v_scale, swizzle_v_scales);
+                                                               k_scale, v_scale, swizzle_v_scales, op);
   const int64_t num_tokens = slot_mapping.size(0);
   if (num_tokens == 0) return;
   const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
@@ -339,7 +340,9 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
     };
     const bool vector =
         activations_aligned<T>(key) && activations_aligned<T>(value) && cache_aligned(key_cache, value_cache);
-    if (layout.fp8_keys)
+    if (four_over_six)
+      launch(reshape_and_cache_nvfp4_4over6_kernel<T>);
+    else if (layout.fp8_keys)
       launch(vector ? reshape_and_cache_nvfp4_kernel<true, true, T> : reshape_and_cache_nvfp4_kernel<false, true, T>);
     else
       launch(vector ? reshape_and_cache_nvfp4_kernel<true, false, T> : reshape_and_cache_nvfp4_kernel<false, false, T>);
@@ -347,29 +350,18 @@ void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor
   check_launch(op);
 }
 
+void reshape_and_cache_nvfp4_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
+                                  const Tensor& slot_mapping, const Tensor& k_scale, const Tensor& v_scale,
+                                  bool swizzle_v_scales) {
+  store_cuda("reshape_and_cache_nvfp4", false, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+             swizzle_v_scales);
+}
+
 void reshape_and_cache_nvfp4_4over6_cuda(const Tensor& key, const Tensor& value, Tensor& key_cache,
                                          Tensor& value_cache, const Tensor& slot_mapping, const Tensor& k_scale,
                                          const Tensor& v_scale, bool swizzle_v_scales) {
-  const char* op = "reshape_and_cache_nvfp4_4over6";
-  const NVFP4PageLayout layout = check_reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping,
-                                                               k_scale, v_scale, swizzle_v_scales, op);
-  const int64_t num_tokens = slot_mapping.size(0);
-  if (num_tokens == 0) return;
-  const torch::stable::accelerator::DeviceGuard guard(key_cache.get_device_index());
-  check_head_size(op, layout);
-  const dim3 block = block_shape(layout, 1);
-  const dim3 grid(static_cast<unsigned>((num_tokens + block.z - 1) / block.z));
-  const cudaStream_t stream = current_stream(key_cache);
-  dispatch_float_types(op, key.scalar_type(), [&](auto tag) {
-    using T = decltype(tag);
-    reshape_and_cache_nvfp4_4over6_kernel<T><<<grid, block, 0, stream>>>(
-        static_cast<const T*>(key.const_data_ptr()), static_cast<const T*>(value.const_data_ptr()), key.stride(0),
-        key.stride(1), value.stride(0), value.stride(1), static_cast<uint8_t*>(key_cache.mutable_data_ptr()),
-        static_cast<uint8_t*>(value_cache.mutable_data_ptr()), key_cache.stride(0), value_cache.stride(0),
-        key_cache.size(0), slot_mapping.const_data_ptr<int64_t>(), num_tokens, k_scale.const_data_ptr<float>(),
-        v_scale.const_data_ptr<float>(), layout);
-  });
-  check_launch(op);
+  store_cuda("reshape_and_cache_nvfp4_4over6", true, key, value, key_cache, value_cache, slot_mapping, k_scale,
+             v_scale, swizzle_v_scales);
 }
 
 void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_table,
