@@ -15,7 +15,8 @@
 // element: one fused multiply-add per dimension and a block scale per group give 16 scores, no horizontal sums.
 // Values are decoded by rows as e2m1 · SF and accumulated with the probabilities broadcast. Scores, softmax and sums
 // are float32; k_scale is folded into the score scale and v_scale into the final 1 / sum. Like cpu_ops.cpp,
-// the tile kernel exists as AVX-512, AVX2 and baseline x86-64 code (cpu_isa.h).
+// the tile kernel exists as AVX-512, AVX2 and baseline x86-64 code (cpu_isa.h), and for bf16 queries over NVFP4
+// keys as AVX512-BF16 code, whose scores are bf16 dot products (exact products, float32 sums in another order).
 //
 // Model features. A sliding window starts a unit's keys at its first row's window: older keys, and splits and
 // tiles holding none of the unit's keys, are never read; inside a tile each row masks its own window edge. Tiles
@@ -123,7 +124,8 @@ struct State {
 struct Scratch {
   int64_t head_size;
   std::unique_ptr<float[]> q;       // [pairs][D] float32 queries
-  std::unique_ptr<float[]> keys;    // [D][TILE]: dimension d of the tile's keys
+  std::unique_ptr<uint32_t[]> q_bf16;  // [pairs][D / 2]: bf16 queries in pair_scores_bf16's order
+  std::unique_ptr<float[]> keys;    // [D][TILE]: dimension d of the tile's keys (bf16 pairs: [D / 2][TILE])
   std::unique_ptr<float[]> values;  // [TILE][D]
   std::unique_ptr<float[]> probs;   // [pairs][TILE]
   std::unique_ptr<float[]> alpha;   // [pairs]: the factor that rescales a pair's sums for this tile
@@ -132,6 +134,7 @@ struct Scratch {
   Scratch(int64_t pairs, int64_t head_size)
       : head_size(head_size),
         q(new float[pairs * head_size]),
+        q_bf16(new uint32_t[pairs * head_size / 2]),
         keys(new float[head_size * TILE]),
         values(new float[TILE * head_size]),
         probs(new float[pairs * TILE]),
@@ -150,6 +153,10 @@ NVFP4_INLINE f32x16 broadcast(float x) {
   const f32x16 v = {x};
   return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
 }
+NVFP4_INLINE u32x16 broadcast_word(uint32_t x) {
+  const u32x16 v = {x};
+  return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+}
 
 // a · b + c: fused on AVX-512; AVX2 and the baseline round the product first (on AVX2 a fused form of 16-lane
 // vectors costs more in moving halves than the two instructions it saves).
@@ -165,6 +172,11 @@ struct Fma<Isa::Avx512> {
                                                       __builtin_bit_cast(__m512, c)));
   }
 };
+#endif
+
+#if NVFP4_X86
+template <>
+struct Fma<Isa::Avx512Bf16> : Fma<Isa::Avx512> {};
 #endif
 
 // The 16 bytes at p as 32-bit lanes (GCC builds __builtin_convertvector of bytes lane by lane).
@@ -189,6 +201,30 @@ struct Widen<Isa::Avx2> {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     const __m256i halves[2] = {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
     return __builtin_bit_cast(u32x16, halves);
+  }
+};
+template <>
+struct Widen<Isa::Avx512Bf16> : Widen<Isa::Avx512> {};
+
+// AVX512-BF16 scores (bf16 queries): E2M1 values and a bf16 query are exact in bf16, and their products in float32,
+// so one dot-product instruction takes two dimensions of 16 keys where fused multiply-adds take one.
+struct Bf16 {
+  typedef uint16_t u16x32 __attribute__((vector_size(64)));
+  // Lane j: the bf16 values of codes (words[j] >> shift) & 0xF and (words[j] >> (16 + shift)) & 0xF. vpermw reads 5
+  // bits of each 16-bit index, so the table of the 16 E2M1 values is there twice.
+  NVFP4_TARGET_AVX512_BF16 static inline u32x16 e2m1_pairs(u32x16 words, int shift) {
+    const u16x32 table = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                          0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
+                          0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                          0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+    const u16x32 index = __builtin_bit_cast(u16x32, words) >> shift;
+    return __builtin_bit_cast(u32x16, _mm512_permutexvar_epi16(__builtin_bit_cast(__m512i, index),
+                                                               __builtin_bit_cast(__m512i, table)));
+  }
+  // acc + a.lo · b.lo + a.hi · b.hi in each lane, a and b pairs of bf16.
+  NVFP4_TARGET_AVX512_BF16 static inline f32x16 dot(f32x16 acc, u32x16 a, u32x16 b) {
+    return __builtin_bit_cast(f32x16, _mm512_dpbf16_ps(__builtin_bit_cast(__m512, acc), __builtin_bit_cast(__m512bh, a),
+                                                       __builtin_bit_cast(__m512bh, b)));
   }
 };
 #endif
@@ -345,30 +381,39 @@ struct TileCursor {
         page(key / b.layout.block_size),
         offset(key % b.layout.block_size) {}
 
-  // Locates the next keys, lanes [first, n) of a tile, and asks the memory system for their bytes.
+  // Locates the next keys, lanes [first, n) of a tile, and asks the memory system for their bytes. The keys of one
+  // page are rows a fixed step apart, so each page's run of keys is located once. Prefetches go key by key: the
+  // lines of a key's rows together (fetched stream by stream, the tiles of long contexts ran up to 1.4x slower).
   void next(int first, int n, TileTokens& t) {
     const NVFP4PageLayout& layout = b.layout;
     t.first = first;
     t.n = n;
     const int64_t key_bytes = layout.fp8_keys ? layout.head_size : layout.data_dim();
-    for (int j = first; j < n; ++j) {
+    const int64_t step = layout.hnd ? 1 : layout.num_heads;  // entries from one token of a page to the next
+    for (int j = first; j < n;) {
+      const int run = static_cast<int>(std::min<int64_t>(n - j, layout.block_size - offset));
       const uint8_t* key_side = b.key_base + pages[page] * b.key_block_stride;
       const uint8_t* value_side = b.value_base + pages[page] * b.value_block_stride;
-      const int64_t data = layout.data_offset(offset, kv_head);
-      if (layout.fp8_keys) {
-        t.key_data[j] = key_side + layout.fp8_key_offset(offset, kv_head);
-      } else {
-        t.key_data[j] = key_side + data;
-        t.key_scales[j] = key_side + layout.scale_offset(offset, kv_head, 0, false);
-        __builtin_prefetch(t.key_scales[j]);
+      const int64_t entry = layout.entry_index(offset, kv_head);
+      const uint8_t* key_data = key_side + entry * key_bytes;
+      const uint8_t* key_scales = key_side + layout.scale_offset(offset, kv_head, 0, false);
+      const uint8_t* value_data = value_side + entry * layout.data_dim();
+      const uint8_t* value_scales = value_side + layout.scale_offset(offset, kv_head, 0, false);
+      for (int i = 0; i < run; ++i) {
+        const int64_t r = (offset + i) & 3;
+        t.key_data[j + i] = key_data + i * step * key_bytes;
+        t.key_scales[j + i] = key_scales + i * step * layout.scale_dim();
+        t.value_data[j + i] = value_data + i * step * layout.data_dim();
+        t.value_scales[j + i] = value_scales + (i - r) * step * layout.scale_dim();
+        t.value_delta[j + i] = b.v_scale_delta[r];
+        if (!layout.fp8_keys) __builtin_prefetch(t.key_scales[j + i]);
+        for (int64_t line = 0; line < key_bytes; line += 64) __builtin_prefetch(t.key_data[j + i] + line);
+        for (int64_t line = 0; line < layout.data_dim(); line += 64) __builtin_prefetch(t.value_data[j + i] + line);
+        __builtin_prefetch(t.value_scales[j + i]);
       }
-      t.value_data[j] = value_side + data;
-      t.value_scales[j] = value_side + layout.scale_offset(offset - offset % 4, kv_head, 0, false);
-      t.value_delta[j] = b.v_scale_delta[offset % 4];
-      for (int64_t line = 0; line < key_bytes; line += 64) __builtin_prefetch(t.key_data[j] + line);
-      for (int64_t line = 0; line < layout.data_dim(); line += 64) __builtin_prefetch(t.value_data[j] + line);
-      __builtin_prefetch(t.value_scales[j]);
-      if (++offset == layout.block_size) {
+      j += run;
+      offset += run;
+      if (offset == layout.block_size) {
         offset = 0;
         ++page;
       }
@@ -399,8 +444,19 @@ NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys, f32x16 (&scales)
       if (t.first <= j && j < t.n) std::memcpy(&words[j], t.key_data[j] + 4 * w0, BYTES);
     }
     transpose_words(words);
-    for (int w = w0; w < std::min(w0 + 16, WORDS); ++w)
+    for (int w = w0; w < std::min(w0 + 16, WORDS); ++w) {
+#if NVFP4_X86
+      if constexpr (I == Isa::Avx512Bf16) {
+        // keys[4w + k] as bf16 pairs: dimensions 8w + k and 8w + 4 + k (the two 16-bit halves of word w).
+        for (int k = 0; k < 4; ++k) {
+          const u32x16 pairs = Bf16::e2m1_pairs(words[w - w0], 4 * k);
+          std::memcpy(keys + (4 * w + k) * TILE, &pairs, sizeof pairs);
+        }
+        continue;
+      }
+#endif
       for (int e = 0; e < 8; ++e) store(e2m1_values<I>(words[w - w0] >> (4 * e)), keys + (8 * w + e) * TILE);
+    }
   }
 }
 
@@ -439,15 +495,53 @@ NVFP4_INLINE void pair_scores(const float* q, const float* keys, const f32x16 (&
   for (int i = 0; i < COUNT; ++i) store(score[i], out + i * TILE);
 }
 
+#if NVFP4_X86
+// pair_scores over bf16 pairs (decode_keys' keys[4w + k], the queries' q_bf16 in the same order). A group's two words
+// run as two chains, added before the block scale.
+template <Isa I, int D, int COUNT>
+NVFP4_INLINE void pair_scores_bf16(const uint32_t* q, const float* keys, const f32x16 (&scales)[D / NVFP4_GROUP],
+                                   float* out) {
+  f32x16 score[COUNT] = {};
+  for (int s = 0; s < D / NVFP4_GROUP; ++s) {
+    f32x16 low[COUNT] = {}, high[COUNT] = {};  // the group's words 2s and 2s + 1
+    for (int k = 0; k < 4; ++k) {
+      const int e = 8 * s + k;
+      u32x16 key_low, key_high;
+      std::memcpy(&key_low, keys + e * TILE, sizeof key_low);
+      std::memcpy(&key_high, keys + (e + 4) * TILE, sizeof key_high);
+      for (int i = 0; i < COUNT; ++i) {
+        low[i] = Bf16::dot(low[i], key_low, broadcast_word(q[i * D / 2 + e]));
+        high[i] = Bf16::dot(high[i], key_high, broadcast_word(q[i * D / 2 + e + 4]));
+      }
+    }
+    for (int i = 0; i < COUNT; ++i) score[i] = Fma<I>::apply(low[i] + high[i], scales[s], score[i]);
+  }
+  for (int i = 0; i < COUNT; ++i) store(score[i], out + i * TILE);
+}
+#endif
+
+template <Isa I, int D, int COUNT>
+NVFP4_INLINE void pair_scores_any(const Scratch& scratch, int64_t p, const f32x16 (&scales)[D / NVFP4_GROUP]) {
+#if NVFP4_X86
+  if constexpr (I == Isa::Avx512Bf16) {
+    pair_scores_bf16<I, D, COUNT>(scratch.q_bf16.get() + p * D / 2, scratch.keys.get(), scales,
+                                  scratch.probs.get() + p * TILE);
+    return;
+  }
+#endif
+  pair_scores<I, D, COUNT>(scratch.q.get() + p * D, scratch.keys.get(), scales, scratch.probs.get() + p * TILE);
+}
+
+// Scores of pairs [first, last) into scratch.probs.
 template <Isa I, int D>
-NVFP4_INLINE void tile_scores(const float* q, const float* keys, const f32x16 (&scales)[D / NVFP4_GROUP], int64_t first,
-                              int64_t last, float* out) {
+NVFP4_INLINE void tile_scores(const Scratch& scratch, const f32x16 (&scales)[D / NVFP4_GROUP], int64_t first,
+                              int64_t last) {
   // Four pairs at a time, then the last one to three together (a GQA group of 3 or 7 reads each key row once).
   int64_t p = first;
-  for (; p + 4 <= last; p += 4) pair_scores<I, D, 4>(q + p * D, keys, scales, out + p * TILE);
-  if (last - p == 3) pair_scores<I, D, 3>(q + p * D, keys, scales, out + p * TILE);
-  if (last - p == 2) pair_scores<I, D, 2>(q + p * D, keys, scales, out + p * TILE);
-  if (last - p == 1) pair_scores<I, D, 1>(q + p * D, keys, scales, out + p * TILE);
+  for (; p + 4 <= last; p += 4) pair_scores_any<I, D, 4>(scratch, p, scales);
+  if (last - p == 3) pair_scores_any<I, D, 3>(scratch, p, scales);
+  if (last - p == 2) pair_scores_any<I, D, 2>(scratch, p, scales);
+  if (last - p == 1) pair_scores_any<I, D, 1>(scratch, p, scales);
 }
 
 // Value rows hold each 32 dimensions as the 16 even ones, then the 16 odd ones: the low and high nibbles of 16
@@ -557,6 +651,16 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
   const int64_t first_row = u.first_row_seeing(b, key_begin);
   std::fill(st.acc.get() + first_row * group * D, st.acc.get() + pairs * D, 0.0f);
   const float inverse_cap = b.soft_cap > 0.0f ? 1.0f / b.soft_cap : 0.0f;
+  if constexpr (I == Isa::Avx512Bf16) {
+    // q_bf16[4w + k] = dimensions 8w + k (low half) and 8w + 4 + k of the bf16 query (exact in scratch.q).
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int w = 0; w < D / 8; ++w)
+        for (int k = 0; k < 4; ++k) {
+          const float* q = scratch.q.get() + p * D + 8 * w + k;
+          scratch.q_bf16[p * D / 2 + 4 * w + k] =
+              __builtin_bit_cast(uint32_t, q[0]) >> 16 | (__builtin_bit_cast(uint32_t, q[4]) & 0xFFFF0000u);
+        }
+  }
   TileCursor cursor(b, u, key_begin);
   TileTokens tiles[2];  // this tile's keys, and the next one's, fetched ahead
   const int64_t tile_begin = key_begin - key_begin % TILE;
@@ -573,7 +677,7 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
       decode_keys<I, D>(tokens, scratch.keys.get(), key_scales);
     const int64_t first = u.first_row_seeing(b, key0 + tokens.first) * group;
     const int64_t last = u.end_row_seeing(b, key0 + tokens.n - 1) * group;
-    tile_scores<I, D>(scratch.q.get(), scratch.keys.get(), key_scales, first, last, scratch.probs.get());
+    tile_scores<I, D>(scratch, key_scales, first, last);
     // Online softmax: each pair's new max, its probabilities (exactly 0 for keys its row does not see) and the
     // factor exp(old max - new max) for its sums; 1 (skipped) when the max did not grow.
     for (int64_t p = first; p < last; ++p) {
@@ -616,26 +720,29 @@ NVFP4_ATTEND_SPLIT(Isa::Baseline, , baseline)
 #if NVFP4_X86
 NVFP4_ATTEND_SPLIT(Isa::Avx2, NVFP4_TARGET_AVX2, avx2)
 NVFP4_ATTEND_SPLIT(Isa::Avx512, NVFP4_TARGET_AVX512, avx512)
+NVFP4_ATTEND_SPLIT(Isa::Avx512Bf16, NVFP4_TARGET_AVX512_BF16, avx512bf16)
 #endif
 #undef NVFP4_ATTEND_SPLIT
 
+// bf16_scores: the queries are bf16 and the keys NVFP4, so AVX512-BF16 dot products give the scores.
 template <int D>
-AttendSplit attend_split_for_cpu() {
+AttendSplit attend_split_for_cpu(bool bf16_scores) {
 #if NVFP4_X86
+  if (bf16_scores && cpu_isa() == Isa::Avx512Bf16) return attend_split_avx512bf16<D>;
   if (cpu_isa() >= Isa::Avx512) return attend_split_avx512<D>;
   if (cpu_isa() == Isa::Avx2) return attend_split_avx2<D>;
 #endif
   return attend_split_baseline<D>;
 }
 
-AttendSplit attend_split_for(int64_t head_size) {
+AttendSplit attend_split_for(int64_t head_size, bool bf16_scores) {
   switch (head_size) {
     case 64:
-      return attend_split_for_cpu<64>();
+      return attend_split_for_cpu<64>(bf16_scores);
     case 128:
-      return attend_split_for_cpu<128>();
+      return attend_split_for_cpu<128>(bf16_scores);
     default:
-      return attend_split_for_cpu<256>();  // the argument checks allow 64, 128 and 256
+      return attend_split_for_cpu<256>(bf16_scores);  // the argument checks allow 64, 128 and 256
   }
 }
 
@@ -784,7 +891,8 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
   }
   std::vector<float> partials(partial_floats);
 
-  const AttendSplit attend_split = attend_split_for(head_size);
+  const AttendSplit attend_split =
+      attend_split_for(head_size, query.scalar_type() == ScalarType::BFloat16 && !layout.fp8_keys);
   const int64_t max_pairs = rows_per_unit * group;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   dispatch_float_types(query.scalar_type(), [&](auto tag) {

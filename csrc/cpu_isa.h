@@ -1,7 +1,8 @@
 // The CPU kernels' instruction-set variants. Row and tile kernels are compiled for AVX-512, AVX2 and baseline
 // x86-64 from the same source, and the best one the CPU supports runs. Avx512Bf16 adds the BF16 dot product
-// (Zen 4, Sapphire Rapids), which only the indexer logits use. VLLM_NVFP4_CPU_ISA=avx512|avx2|baseline caps the
-// choice (avx512 leaves the BF16 dot product out), so tests can check every variant.
+// (Zen 4, Sapphire Rapids), which the indexer logits and the attention scores of bf16 queries use.
+// VLLM_NVFP4_CPU_ISA=avx512|avx2|baseline caps the choice (avx512 leaves the BF16 dot product out), so tests can
+// check every variant.
 #pragma once
 
 #include <algorithm>
