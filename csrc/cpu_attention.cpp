@@ -319,26 +319,29 @@ struct LaneMasks {
 const LaneMasks LANE_MASKS;
 
 // Transposes a 16 x 16 matrix of 32-bit words in four rounds; round s swaps the off-diagonal s x s blocks of
-// each 2s x 2s block (rows i and i + s exchange their lanes of bit s).
+// each 2s x 2s block (rows i and i + s exchange their lanes of bit s). ROWS 8: rows 0-7 hold two 8 x 8 matrices,
+// one per half of the lanes, and the last three rounds transpose each.
+template <int ROWS>
 NVFP4_INLINE void transpose_words(u32x16 (&m)[16]) {
-  for (int i = 0; i < 8; ++i) {
-    const u32x16 a = m[i], b = m[i + 8];
-    m[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-    m[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  }
-  for (int i = 0; i < 16; i += 8)
+  if constexpr (ROWS == 16)
+    for (int i = 0; i < 8; ++i) {
+      const u32x16 a = m[i], b = m[i + 8];
+      m[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+      m[i + 8] = __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+  for (int i = 0; i < ROWS; i += 8)
     for (int k = i; k < i + 4; ++k) {
       const u32x16 a = m[k], b = m[k + 4];
       m[k] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
       m[k + 4] = __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
     }
-  for (int i = 0; i < 16; i += 4)
+  for (int i = 0; i < ROWS; i += 4)
     for (int k = i; k < i + 2; ++k) {
       const u32x16 a = m[k], b = m[k + 2];
       m[k] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
       m[k + 2] = __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
     }
-  for (int k = 0; k < 16; k += 2) {
+  for (int k = 0; k < ROWS; k += 2) {
     const u32x16 a = m[k], b = m[k + 1];
     m[k] = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
     m[k + 1] = __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
@@ -439,11 +442,22 @@ NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys, f32x16 (&scales)
   for (int w0 = 0; w0 < WORDS; w0 += 16) {
     constexpr int BYTES = 4 * std::min(16, WORDS);
     u32x16 words[16];
-    for (int j = 0; j < TILE; ++j) {
-      words[j] = u32x16{};
-      if (t.first <= j && j < t.n) std::memcpy(&words[j], t.key_data[j] + 4 * w0, BYTES);
+    if constexpr (WORDS == 8) {
+      // Head 64: keys j and j + 8 share row j (a half each), and half the transpose does.
+      for (int j = 0; j < 8; ++j) {
+        simd::u32x8 low = {}, high = {};
+        if (t.first <= j && j < t.n) std::memcpy(&low, t.key_data[j], sizeof low);
+        if (t.first <= j + 8 && j + 8 < t.n) std::memcpy(&high, t.key_data[j + 8], sizeof high);
+        words[j] = __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      }
+      transpose_words<8>(words);
+    } else {
+      for (int j = 0; j < TILE; ++j) {
+        words[j] = u32x16{};
+        if (t.first <= j && j < t.n) std::memcpy(&words[j], t.key_data[j] + 4 * w0, BYTES);
+      }
+      transpose_words<16>(words);
     }
-    transpose_words(words);
     for (int w = w0; w < std::min(w0 + 16, WORDS); ++w) {
 #if NVFP4_X86
       if constexpr (I == Isa::Avx512Bf16) {
@@ -471,7 +485,7 @@ NVFP4_INLINE void decode_fp8_keys(const TileTokens& t, float* keys, f32x16 (&sca
       words[j] = u32x16{};
       if (t.first <= j && j < t.n) std::memcpy(&words[j], t.key_data[j] + 4 * w0, sizeof words[j]);
     }
-    transpose_words(words);
+    transpose_words<16>(words);
     for (int w = 0; w < 16; ++w)
       for (int e = 0; e < 4; ++e)
         store(simd::e4m3_decode<I >= Isa::Avx512>((words[w] >> (8 * e)) & 0xFFu), keys + (4 * (w0 + w) + e) * TILE);
