@@ -510,25 +510,26 @@ NVFP4_INLINE void pair_scores(const float* q, const float* keys, const f32x16 (&
 }
 
 #if NVFP4_X86
-// pair_scores over bf16 pairs (decode_keys' keys[4w + k], the queries' q_bf16 in the same order). A group's two words
-// run as two chains, added before the block scale.
+// pair_scores over bf16 pairs (decode_keys' keys[4w + k], the queries' q_bf16 in the same order). A group runs as
+// four chains (words 2s and 2s + 1, even and odd k), which keeps enough dot products in flight to hide their
+// latency, added before the block scale.
 template <Isa I, int D, int COUNT>
 NVFP4_INLINE void pair_scores_bf16(const uint32_t* q, const float* keys, const f32x16 (&scales)[D / NVFP4_GROUP],
                                    float* out) {
   f32x16 score[COUNT] = {};
   for (int s = 0; s < D / NVFP4_GROUP; ++s) {
-    f32x16 low[COUNT] = {}, high[COUNT] = {};  // the group's words 2s and 2s + 1
-    for (int k = 0; k < 4; ++k) {
-      const int e = 8 * s + k;
-      u32x16 key_low, key_high;
-      std::memcpy(&key_low, keys + e * TILE, sizeof key_low);
-      std::memcpy(&key_high, keys + (e + 4) * TILE, sizeof key_high);
-      for (int i = 0; i < COUNT; ++i) {
-        low[i] = Bf16::dot(low[i], key_low, broadcast_word(q[i * D / 2 + e]));
-        high[i] = Bf16::dot(high[i], key_high, broadcast_word(q[i * D / 2 + e + 4]));
+    f32x16 dot[4][COUNT] = {};
+#pragma GCC unroll 2  // unrolled, the sums stay in registers
+    for (int k = 0; k < 4; k += 2)
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {  // chain c: word 2s + c / 2, shift k + c % 2
+        const int e = 8 * s + 4 * (c / 2) + k + c % 2;
+        u32x16 key;
+        std::memcpy(&key, keys + e * TILE, sizeof key);
+        for (int i = 0; i < COUNT; ++i) dot[c][i] = Bf16::dot(dot[c][i], key, broadcast_word(q[i * D / 2 + e]));
       }
-    }
-    for (int i = 0; i < COUNT; ++i) score[i] = Fma<I>::apply(low[i] + high[i], scales[s], score[i]);
+    for (int i = 0; i < COUNT; ++i)
+      score[i] = Fma<I>::apply((dot[0][i] + dot[1][i]) + (dot[2][i] + dot[3][i]), scales[s], score[i]);
   }
   for (int i = 0; i < COUNT; ++i) store(score[i], out + i * TILE);
 }
