@@ -382,7 +382,7 @@ sys.stdout.buffer.write(pickle.dumps(outs))
 """
 
 
-@pytest.mark.parametrize("isa", ["avx2", "baseline"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])  # avx512: without the BF16 dot product
 def test_instruction_set_variants_agree(isa):
     """This CPU runs its best variant; each lower one, forced, meets the reference and agrees with the best."""
     best = pickle.loads(run_script(ISA_SCRIPT))
