@@ -123,12 +123,12 @@ struct State {
 // One thread's buffers. Left uninitialized: every part read was written first.
 struct Scratch {
   int64_t head_size;
-  std::unique_ptr<float[]> q;       // [pairs][D] float32 queries
+  std::unique_ptr<float[]> q;          // [pairs][D] float32 queries
   std::unique_ptr<uint32_t[]> q_bf16;  // [pairs][D / 2]: bf16 queries in pair_scores_bf16's order
-  std::unique_ptr<float[]> keys;    // [D][TILE]: dimension d of the tile's keys (bf16 pairs: [D / 2][TILE])
-  std::unique_ptr<float[]> values;  // [TILE][D]
-  std::unique_ptr<float[]> probs;   // [pairs][TILE]
-  std::unique_ptr<float[]> alpha;   // [pairs]: the factor that rescales a pair's sums for this tile
+  std::unique_ptr<float[]> keys;       // [D][TILE]: dimension d of the tile's keys (bf16 pairs: [D / 2][TILE])
+  std::unique_ptr<float[]> values;     // [TILE][D]
+  std::unique_ptr<float[]> probs;      // [pairs][TILE]
+  std::unique_ptr<float[]> alpha;      // [pairs]: the factor that rescales a pair's sums for this tile
   State split, total;
 
   Scratch(int64_t pairs, int64_t head_size)
@@ -213,13 +213,12 @@ struct Bf16 {
   // Lane j: the bf16 values of codes (words[j] >> shift) & 0xF and (words[j] >> (16 + shift)) & 0xF. vpermw reads 5
   // bits of each 16-bit index, so the table of the 16 E2M1 values is there twice.
   NVFP4_TARGET_AVX512_BF16 static inline u32x16 e2m1_pairs(u32x16 words, int shift) {
-    const u16x32 table = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-                          0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0,
-                          0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
-                          0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+    const u16x32 table = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80,
+                          0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0, 0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040,
+                          0x4080, 0x40C0, 0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
     const u16x32 index = __builtin_bit_cast(u16x32, words) >> shift;
-    return __builtin_bit_cast(u32x16, _mm512_permutexvar_epi16(__builtin_bit_cast(__m512i, index),
-                                                               __builtin_bit_cast(__m512i, table)));
+    return __builtin_bit_cast(
+        u32x16, _mm512_permutexvar_epi16(__builtin_bit_cast(__m512i, index), __builtin_bit_cast(__m512i, table)));
   }
   // acc + a.lo · b.lo + a.hi · b.hi in each lane, a and b pairs of bf16.
   NVFP4_TARGET_AVX512_BF16 static inline f32x16 dot(f32x16 acc, u32x16 a, u32x16 b) {

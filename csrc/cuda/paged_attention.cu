@@ -860,13 +860,15 @@ __device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, ui
 // two for the wide cases (head 256, or 16 query rows). FP8 keys hold twice the K bytes in flight: two CTAs an SM
 // from head 128 (head 256 runs the fused kernel).
 template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
-__global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256 ? 2 : D * NB * (FP8 ? 2 : 1) == 64 ? 4 : 3)
+__global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256  ? 2
+                                                  : D * NB * (FP8 ? 2 : 1) == 64 ? 4
+                                                                                 : 3)
     nvfp4_paged_decode_kernel(Params p) {
   using S = DecodeShape<D, FP8>;
   constexpr int QROWS = 8 * NB;
   __shared__ float merge_m[DECODE_WARPS][QROWS], merge_l[DECODE_WARPS][QROWS];
   __shared__ uint2 query_frags[NB][S::KSTEPS][WARP];  // the B fragments, the same in every warp
-  extern __shared__ float merge_o[];  // [DECODE_WARPS][QROWS][D]
+  extern __shared__ float merge_o[];                  // [DECODE_WARPS][QROWS][D]
 
   const int head = blockIdx.x, split = blockIdx.y, request = blockIdx.z;
   const int q_start = __ldg(p.query_start_loc + request);
