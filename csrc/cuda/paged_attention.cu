@@ -859,11 +859,13 @@ __device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, ui
 // CTAs an SM as the registers allow: four for head 64's decode (128 registers a thread), three (168) up to head 128,
 // two for the wide cases (head 256, or 16 query rows). FP8 keys hold twice the K bytes in flight: two CTAs an SM
 // from head 128 (head 256 runs the fused kernel).
+constexpr int decode_ctas_per_sm(int d, int nb, bool fp8) {
+  const int width = d * nb * (fp8 ? 2 : 1);
+  return width >= 256 ? 2 : width == 64 ? 4 : 3;
+}
+
 template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
-__global__ void __launch_bounds__(DECODE_THREADS, D * NB * (FP8 ? 2 : 1) >= 256  ? 2
-                                                  : D * NB * (FP8 ? 2 : 1) == 64 ? 4
-                                                                                 : 3)
-    nvfp4_paged_decode_kernel(Params p) {
+__global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB, FP8)) nvfp4_paged_decode_kernel(Params p) {
   using S = DecodeShape<D, FP8>;
   constexpr int QROWS = 8 * NB;
   __shared__ float merge_m[DECODE_WARPS][QROWS], merge_l[DECODE_WARPS][QROWS];
