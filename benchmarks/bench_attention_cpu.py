@@ -11,11 +11,14 @@ size) in random order. The contenders read the same number of tokens:
 - memcpy: a copy of a buffer as large as the bf16 cache, the machine's bandwidth ceiling (bytes read + written).
 
 Calls alternate between the contenders, one warm-up each, so machine load hits all alike; a figure is the median
-of `--repeats` wall times. GB/s is the bytes of cache each one reads, per second. The cache holds random values:
+of `--repeats` wall times. With `--layers N` each contender has N caches of the case's shape and a timed call runs
+the N of them in a row, as a decode step runs a model's layers (so one layer's cache is no longer in the core's
+caches when its turn comes again); a figure is then that time / N. GB/s is the bytes of cache each one reads, per second. The cache holds random values:
 the time of none of the kernels depends on them.
 
-Options: `--batches 1 8`, `--contexts 2048 8192 32768`, `--heads 32/8`, `--head-size 128`, `--threads N` (default: torch's), `--repeats N`
-(default 9), `--append FILE.md` (appends the table with commit, machine and date), `--note TEXT`.
+Options: `--batches 1 8`, `--contexts 2048 8192 32768`, `--heads 32/8`, `--head-size 128`, `--threads N` (default:
+torch's), `--repeats N` (default 9), `--layers N` (default 1), `--append FILE.md` (appends the table with commit,
+machine and date), `--note TEXT`.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ def main() -> None:
     parser.add_argument("--head-size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--layers", type=int, default=1, help="caches a contender runs in a row per timed call")
     parser.add_argument("--append", help="append the table to this markdown file")
     parser.add_argument("--note", help="a line added under the table")
     args = parser.parse_args()
@@ -112,23 +116,31 @@ def main() -> None:
     heads = (q_heads, kv_heads, args.head_size)
     g = torch.Generator().manual_seed(0)
     rows, refused = [], {}
+
+    def layers(make, *case):  # `--layers` cases of one contender, run in a row; (the reason, 0) where vLLM refuses
+        made = [make(*case) for _ in range(args.layers)]
+        if isinstance(made[0][0], str):
+            return made[0]
+        runs = [run for run, _ in made]
+        return (lambda: [run() for run in runs]), made[0][1]
+
     for batch in args.batches:
         for context in args.contexts:
-            contenders = {"nvfp4": nvfp4_case(batch, context, heads, g)}
+            contenders = {"nvfp4": layers(nvfp4_case, batch, context, heads, g)}
             for name, dtype in (("bf16", "auto"), ("fp8", "fp8")):
-                run, nbytes = vllm_case(batch, context, heads, dtype, g)
+                run, nbytes = layers(vllm_case, batch, context, heads, dtype, g)
                 if isinstance(run, str):
                     refused[name] = run
                 else:
                     contenders[name] = (run, nbytes)
-            contenders["memcpy"] = memcpy_case(contenders["bf16"][1] if "bf16" in contenders else 1 << 28)
+            contenders["memcpy"] = layers(memcpy_case, contenders["bf16"][1] if "bf16" in contenders else 1 << 28)
             timings = {name: [] for name in contenders}
             for run, _ in contenders.values():
                 run()  # warm-up
             for _ in range(args.repeats):
                 for name, (run, _) in contenders.items():
                     time_call(run, timings[name])
-            ms = {name: sorted(t)[len(t) // 2] for name, t in timings.items()}
+            ms = {name: sorted(t)[len(t) // 2] / args.layers for name, t in timings.items()}
             gbs = {name: contenders[name][1] / ms[name] / 1e6 for name in contenders}
             rows.append((batch, context, ms, gbs))
             print(f"B={batch} L={context}: " + ", ".join(f"{n} {ms[n]:.3f} ms ({gbs[n]:.1f} GB/s)" for n in ms),
@@ -142,7 +154,8 @@ def main() -> None:
 
     lines = [
         f"{stamp()}; {args.threads} threads; decode, {q_heads} query / {kv_heads} KV heads, head {args.head_size}, "
-        f"block {BLOCK_SIZE}; median of {args.repeats}",
+        f"block {BLOCK_SIZE}; median of {args.repeats}"
+        + (f", {args.layers} layers' caches in a row, times a layer" if args.layers > 1 else ""),
         "",
         "| B | L | nvfp4 ms (GB/s) | vLLM bf16 ms (GB/s) | vLLM fp8 ms (GB/s) | nvfp4 speed-up vs bf16 | vs fp8 "
         "| memcpy GB/s |",
