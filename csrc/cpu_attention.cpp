@@ -391,7 +391,7 @@ struct TileCursor {
     t.first = first;
     t.n = n;
     const int64_t key_bytes = layout.fp8_keys ? layout.head_size : layout.data_dim();
-    const int64_t step = layout.hnd ? 1 : layout.num_heads;  // entries from one token of a page to the next
+    const int64_t step = layout.token_step();
     for (int j = first; j < n;) {
       const int run = static_cast<int>(std::min<int64_t>(n - j, layout.block_size - offset));
       const uint8_t* key_side = b.key_base + pages[page] * b.key_block_stride;

@@ -41,6 +41,8 @@ struct NVFP4PageLayout {
   NVFP4_HD int64_t entry_index(int64_t token, int64_t head) const {
     return hnd ? head * block_size + token : token * num_heads + head;
   }
+  // Entries from one token of a block to the next: entry_index(token + 1, head) - entry_index(token, head).
+  NVFP4_HD int64_t token_step() const { return hnd ? 1 : num_heads; }
   NVFP4_HD int64_t data_offset(int64_t token, int64_t head) const {
     return entry_index(token, head) * data_dim();
   }

@@ -52,7 +52,7 @@ struct EntryOffsets {
   __device__ EntryOffsets(const NVFP4PageLayout& layout, int head, int group) {
     const int block_size = static_cast<int>(layout.block_size), scale_dim = static_cast<int>(layout.scale_dim());
     const int data_dim = static_cast<int>(layout.data_dim()), region = static_cast<int>(layout.data_region_bytes());
-    const int token_step = layout.hnd ? 1 : static_cast<int>(layout.num_heads);
+    const int token_step = static_cast<int>(layout.token_step());
     const int head_entry = head * (layout.hnd ? block_size : 1);
     data = head_entry * data_dim + group * (GROUP / 2);
     data_step = token_step * data_dim;

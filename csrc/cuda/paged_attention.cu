@@ -263,7 +263,7 @@ __device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, int h
   using G = Tiles<D, FP8>;
   using C = TileCopy<D>;
   // entry_index(offset, head) = offset · token_step + head_entry (NHD: token-major, HND: head-major)
-  const int token_step = p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);
+  const int token_step = static_cast<int>(p.layout.token_step());
   const int head_entry = head * (p.layout.hnd ? static_cast<int>(p.layout.block_size) : 1);
   const int chunk = threadIdx.x % C::CHUNKS;
 #pragma unroll
@@ -694,14 +694,9 @@ __device__ __forceinline__ uint32_t load_small(const uint8_t* src) {
     return __ldg(reinterpret_cast<const uint32_t*>(src));
 }
 
-// Entries from one key of a block to the next (a uniform value, recomputed where used rather than kept in registers).
-__device__ __forceinline__ int entry_step(const Params& p) {
-  return p.layout.hnd ? 1 : static_cast<int>(p.layout.num_heads);
-}
-
 // This lane's byte offsets inside a 16-key run of one block (from the run's first (key, head) entry), in either
-// cache side: its first K key's code quarter and scale bytes (its second K key lies 2 entry_step entries further),
-// its first V key's code eighth (the next three follow an entry_step apart) and the 32-bit words of V scales it
+// cache side: its first K key's code quarter and scale bytes (its second K key lies 2 token_step entries further),
+// its first V key's code eighth (the next three follow a token_step apart) and the 32-bit words of V scales it
 // loads. Swizzled: the word holding its four keys' bytes of each of its groups. Linear: word (g / 4 + 2q) mod
 // (D / 64) of key 4t + g % 4's scale row, for q < V_GROUPS; the eight lanes of a t load every word that holds a
 // byte they need, and shuffle the bytes to their owners (join_v_scales).
@@ -712,7 +707,7 @@ struct LaneOffsets {
 
   __device__ LaneOffsets(const Params& p) {
     const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, sigma = 2 * g - (g & 1);
-    const int step = entry_step(p);
+    const int step = static_cast<int>(p.layout.token_step());
     k_data = sigma * step * S::K_ROW + S::K_BYTES * t;
     k_scales = sigma * step * (D / 16) + S::K_SCALES * t;
     v_data = 4 * t * step * (D / 2) + S::V_BYTES * g;
@@ -770,7 +765,7 @@ __device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, ScaleWords<D,
   using S = DecodeShape<D, FP8>;
   const int g = (threadIdx.x % WARP) >> 2, t = threadIdx.x & 3, sigma = 2 * g - (g & 1);
   const int data_bytes = static_cast<int>(p.layout.data_region_bytes());
-  const int step = entry_step(p);
+  const int step = static_cast<int>(p.layout.token_step());  // uniform, recomputed here rather than kept in registers
 #pragma unroll
   for (int b = 0; b < 2; ++b) {
     const int run = chunk_start + 16 * b;
