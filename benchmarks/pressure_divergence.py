@@ -170,7 +170,7 @@ def analyse(runs: dict[str, dict[str, dict]]) -> dict:
         found = [d for row in rows for d in row["found"][c]]
         known = [g for g in map(largest_gap, found) if g is not None]
         gaps[c] = {"largest": max(known, default=0.0), "outside": sum(largest_gap(d) is None for d in found),
-                   "at_or_over_bound": sum(g is None or g >= NEAR_TIE_NATS for g in map(largest_gap, found)),
+                   "over_bound": sum(g is None or g > NEAR_TIE_NATS for g in map(largest_gap, found)),
                    "not_near_tie": sum(not d.near_tie for d in found),
                    "largest_drift": max((d.drift for d in found), default=0.0),
                    "sorted": sorted(known)}
@@ -216,12 +216,12 @@ def table(result: dict, header: str) -> list[str]:
             f"{t['p_positions']:.3g}.")
     lines += ["", f"Gaps at the divergences (nats; the larger of the two, '—' in the table: the other run's pick not "
               f"among the {CANDIDATES} candidates kept), against the near-tie bound NEAR_TIE_NATS = {NEAR_TIE_NATS}:", "",
-              "| cache | divergences | largest gap | picks outside the other run's candidates | gaps ≥ bound | not near-ties (gap or drift ≥ bound) | largest drift before one | gaps, sorted |",
+              "| cache | divergences | largest gap | picks outside the other run's candidates | gaps over the bound | not near-ties (gap or drift over the bound) | largest drift before one | gaps, sorted |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for c in caches:
         g = result["gaps"][c]
         lines.append(f"| {label[c]} | {result['diverged'][c]} | {number(g['largest']) if g['sorted'] else '—'} | {g['outside']} | "
-                     f"{g['at_or_over_bound']} | {g['not_near_tie']} | {g['largest_drift']:.3f} | "
+                     f"{g['over_bound']} | {g['not_near_tie']} | {g['largest_drift']:.3f} | "
                      f"{', '.join(map(number, g['sorted'])) or '—'} |")
     lines += ["", "Before any divergence: how far the pressured run's best log-probability moved from its free run's, "
               "per generated token (and, per request, how many moved by more than 0.1 nats at some token):", "",
