@@ -87,17 +87,19 @@ template <int BYTES>
 __device__ __forceinline__ void copy_async(void* dst, const void* src, bool valid) {
   const int src_bytes = valid ? BYTES : 0;
   if constexpr (BYTES == 16)
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src), "r"(src_bytes));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_address(dst)), "l"(src), "r"(src_bytes)
+                 : "memory");
   else
     asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(smem_address(dst)), "l"(src), "n"(BYTES),
-                 "r"(src_bytes));
+                 "r"(src_bytes)
+                 : "memory");
 }
 
 __device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 template <int PENDING>
 __device__ __forceinline__ void copy_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
 }
 
 __device__ __forceinline__ uint32_t half2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
@@ -617,10 +619,11 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
 // 16 keys (so a 16-key run of a chunk lies in one block), the tokens take the MMA's
 // M side: S^T = K · Q^T (m16 = 16 keys, n8 = 8 query rows, k16 = 16 channels) and O^T = V^T · P^T (m16 = 16
 // channels, k16 = 16 keys), so no tensor-core row is spent on the few query rows, and every lane decodes each
-// code it loads exactly once. A warp streams chunks of 32 keys straight from the pages into registers (one chunk
-// ahead of its use, no shared memory), the four warps of a CTA take interleaved chunks of the CTA's KV range,
-// and they merge through shared memory at the end. S^T's fragments become P^T's with `movmatrix` (a transpose
-// of 8 × 8 half blocks in registers).
+// code it loads exactly once. A warp copies chunks of 32 keys with cp.async into a ring of two slots of shared
+// memory, one chunk ahead of its use; each lane reads back only the bytes it copied, so no barrier is needed, and
+// the registers a chunk would hold go to a fourth CTA an SM. The four warps of a CTA take interleaved chunks of
+// the CTA's KV range, and they merge through shared memory at the end. S^T's fragments become P^T's with `movmatrix` (a
+// transpose of 8 × 8 half blocks in registers).
 //
 // Lane (g, t) of a warp: for K it loads the channel quarter t of keys σ(g) and σ(g) + 2 of each 16-key block,
 // σ(g) = 2g - g % 2 (so that after the transpose its V keys are 4t .. 4t + 3, four consecutive keys whose
@@ -645,14 +648,18 @@ struct DecodeShape {
   static constexpr int MBLOCKS = D / 16;                   // m16 blocks of O^T
 };
 
-// One lane's raw bytes of one chunk.
+// One warp's bytes of one chunk in shared memory. Each lane reads back only the bytes it copied itself, so no
+// barrier stands between a copy and its use; the bytes are kept lane-minor so that every access is conflict-free.
 template <int D, bool FP8>
-struct DecodeChunk {
+struct DecodeSlot {
   using S = DecodeShape<D, FP8>;
-  uint32_t k[2][2][S::K_WORDS];       // [16-key block][key σ(g), σ(g) + 2][word]
-  uint32_t k_scales[2][2];            // K_SCALES bytes each (NVFP4 keys)
-  uint32_t v[2][4][S::V_WORDS];       // [16-key block][key 4t + i][word]
-  uint32_t v_scales[2][S::V_GROUPS];  // byte i: key 4t + i
+  static constexpr int K_PIECE = S::K_BYTES < 16 ? S::K_BYTES : 16;  // bytes of one copy of a K quarter
+  static constexpr int K_PIECES = S::K_BYTES / K_PIECE;
+  static constexpr int K_DATA = 0;                                         // [16-key run][key r][piece][lane]
+  static constexpr int K_SCALES = K_DATA + 4 * K_PIECES * WARP * K_PIECE;  // [run][key r][lane]: a 4-byte word
+  static constexpr int V_DATA = K_SCALES + (FP8 ? 0 : 4 * WARP * 4);       // [run][key 4t + i][lane]
+  static constexpr int V_SCALES = V_DATA + 8 * WARP * S::V_BYTES;          // [run][group][lane]: a 4-byte word
+  static constexpr int BYTES = V_SCALES + 2 * S::V_GROUPS * WARP * 4;
 };
 
 // c += a · (a B fragment read from shared memory now: a volatile load, so that it is not hoisted into registers).
@@ -695,7 +702,8 @@ __device__ __forceinline__ uint32_t load_small(const uint8_t* src) {
 }
 
 // This lane's byte offsets inside a 16-key run of one block (from the run's first (key, head) entry), in either
-// cache side: its first K key's code quarter and scale bytes (its second K key lies 2 token_step entries further),
+// cache side: its first K key's code quarter and the 4-byte word of its scale bytes (a scale row is a multiple of
+// 4 bytes; its second K key lies 2 token_step entries further),
 // its first V key's code eighth (the next three follow a token_step apart) and the 32-bit words of V scales it
 // loads. Swizzled: the word holding its four keys' bytes of each of its groups. Linear: word (g / 4 + 2q) mod
 // (D / 64) of key 4t + g % 4's scale row, for q < V_GROUPS; the eight lanes of a t load every word that holds a
@@ -709,7 +717,7 @@ struct LaneOffsets {
     const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, sigma = 2 * g - (g & 1);
     const int step = static_cast<int>(p.layout.token_step());
     k_data = sigma * step * S::K_ROW + S::K_BYTES * t;
-    k_scales = sigma * step * (D / 16) + S::K_SCALES * t;
+    k_scales = (sigma * step * (D / 16) + S::K_SCALES * t) & ~3;  // the aligned word holding them
     v_data = 4 * t * step * (D / 2) + S::V_BYTES * g;
 #pragma unroll
     for (int q = 0; q < S::V_GROUPS; ++q) {
@@ -751,19 +759,32 @@ __device__ __forceinline__ RunBase run_base(const Params& p, int block, int pos,
   return {at + static_cast<int64_t>(entry) * row, at + data_bytes + static_cast<int64_t>(entry) * (d / 16)};
 }
 
-// Linear V scales: the words a lane loads, per 16-key run (LaneOffsets).
-template <int D, bool FP8>
-using ScaleWords = uint32_t[2][DecodeShape<D, FP8>::V_GROUPS];
+// `BYTES` of this lane's own bytes in shared memory as 32-bit words.
+template <int BYTES>
+__device__ __forceinline__ void read_own(uint32_t* dst, const uint8_t* src) {
+  if constexpr (BYTES == 4) {
+    dst[0] = *reinterpret_cast<const uint32_t*>(src);
+  } else if constexpr (BYTES == 8) {
+    const uint2 v = *reinterpret_cast<const uint2*>(src);
+    dst[0] = v.x, dst[1] = v.y;
+  } else {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    dst[0] = v.x, dst[1] = v.y, dst[2] = v.z, dst[3] = v.w;
+  }
+}
 
-// One lane's bytes of the chunk at `chunk_start`, whose two 16-key runs lie in `blocks` (keys outside [lo, hi) or
-// without a block read as zeros). Linear V scales land in `scale_words`, to be gathered by join_v_scales only after
-// the previous chunk's attention has hidden their loads' latency.
-template <int D, bool SWIZZLE, bool FP8>
-__device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, ScaleWords<D, FP8>& scale_words, const Params& p,
-                                           const LaneOffsets<D, SWIZZLE, FP8>& lane, int2 blocks, int head,
-                                           int chunk_start, int lo, int hi) {
+// Copies this lane's bytes of the chunk at `chunk_start`, whose two 16-key runs lie in `blocks`, into `slot` (keys
+// outside [lo, hi) or without a block are zero-filled, their addresses never read). K scales: the aligned word
+// holding the lane's K_SCALES bytes. Swizzled V scales: the word of the four keys' bytes if any of them is read
+// (attend zeroes the bytes of unread keys); linear: the word LaneOffsets names, if its key is read. WHOLE: every
+// key of the chunk is read (most chunks), so no copy needs a test.
+template <bool WHOLE, int D, bool SWIZZLE, bool FP8>
+__device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
+                                                const LaneOffsets<D, SWIZZLE, FP8>& lane, int2 blocks, int head,
+                                                int chunk_start, int lo, int hi) {
   using S = DecodeShape<D, FP8>;
-  const int g = (threadIdx.x % WARP) >> 2, t = threadIdx.x & 3, sigma = 2 * g - (g & 1);
+  using L = DecodeSlot<D, FP8>;
+  const int lane_id = threadIdx.x % WARP, g = lane_id >> 2, t = lane_id & 3, sigma = 2 * g - (g & 1);
   const int data_bytes = static_cast<int>(p.layout.data_region_bytes());
   const int step = static_cast<int>(p.layout.token_step());  // uniform, recomputed here rather than kept in registers
 #pragma unroll
@@ -772,74 +793,88 @@ __device__ __forceinline__ void load_chunk(DecodeChunk<D, FP8>& c, ScaleWords<D,
     const int block = b ? blocks.y : blocks.x;
     const RunBase k_base = run_base(p, block, run, head, data_bytes, D, p.key_block_stride, S::K_ROW);
     const RunBase base = run_base(p, block, run, head, data_bytes, D, p.value_block_stride, D / 2);
+    const uint8_t* k_data = p.key_cache + k_base.data + lane.k_data;
+    const uint8_t* k_scales = p.key_cache + k_base.scales + lane.k_scales;
+    const uint8_t* v_data = p.value_cache + base.data + lane.v_data;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int pos = run + sigma + 2 * r;
-      if (block >= 0 && pos >= lo && pos < hi) {
-        load_words<S::K_BYTES>(c.k[b][r], p.key_cache + k_base.data + lane.k_data + 2 * r * step * S::K_ROW);
-        if constexpr (!FP8)
-          c.k_scales[b][r] =
-              load_small<S::K_SCALES>(p.key_cache + k_base.scales + lane.k_scales + 2 * r * step * (D / 16));
-      } else {
+      const bool read = WHOLE || (block >= 0 && pos >= lo && pos < hi);
+      const uint8_t* src = read ? k_data + 2 * r * step * S::K_ROW : p.key_cache;
 #pragma unroll
-        for (int u = 0; u < S::K_WORDS; ++u) c.k[b][r][u] = 0;
-        c.k_scales[b][r] = 0;
-      }
+      for (int piece = 0; piece < L::K_PIECES; ++piece)
+        copy_async<L::K_PIECE>(slot + L::K_DATA + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane_id) * L::K_PIECE,
+                               src + piece * L::K_PIECE, read);
+      if constexpr (!FP8)
+        copy_async<4>(slot + L::K_SCALES + ((2 * b + r) * WARP + lane_id) * 4,
+                      read ? k_scales + 2 * r * step * (D / 16) : p.key_cache, read);
     }
     uint32_t valid = 0;  // bit i: key run + 4t + i is read
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int pos = run + 4 * t + i;
-      if (block >= 0 && pos >= lo && pos < hi) valid |= 1u << i;
-      if (valid >> i & 1u) {
-        load_words<S::V_BYTES>(c.v[b][i], p.value_cache + base.data + lane.v_data + i * step * (D / 2));
-      } else {
-#pragma unroll
-        for (int u = 0; u < S::V_WORDS; ++u) c.v[b][i][u] = 0;
-      }
+      const bool read = WHOLE || (block >= 0 && pos >= lo && pos < hi);
+      valid |= static_cast<uint32_t>(read) << i;
+      copy_async<S::V_BYTES>(slot + L::V_DATA + ((4 * b + i) * WARP + lane_id) * S::V_BYTES,
+                             read ? v_data + i * step * (D / 2) : p.value_cache, read);
     }
+    const bool scales_read = WHOLE || (SWIZZLE ? valid != 0 : (valid >> (g % 4) & 1u) != 0);
 #pragma unroll
-    for (int q = 0; q < S::V_GROUPS; ++q) {
-      if constexpr (SWIZZLE) {
-        // The word of the four keys' bytes sits in one scale row of their block. A key outside the range has zero
-        // codes, but its scale byte may be anything (NaN · 0 is NaN): zero it.
-        const uint32_t bytes =
-            valid ? __ldg(reinterpret_cast<const uint32_t*>(p.value_cache + base.scales + lane.v_scales[q])) : 0u;
-        c.v_scales[b][q] = bytes & ((valid & 1u ? 0xFFu : 0u) | (valid & 2u ? 0xFF00u : 0u) |
-                                    (valid & 4u ? 0xFF0000u : 0u) | (valid & 8u ? 0xFF000000u : 0u));
-      } else {
-        const bool key_read = valid >> (g % 4) & 1u;  // a zero word for a key outside the range
-        scale_words[b][q] =
-            key_read ? __ldg(reinterpret_cast<const uint32_t*>(p.value_cache + base.scales + lane.v_scales[q])) : 0u;
-      }
-    }
+    for (int q = 0; q < S::V_GROUPS; ++q)
+      copy_async<4>(slot + L::V_SCALES + ((b * S::V_GROUPS + q) * WARP + lane_id) * 4,
+                    scales_read ? p.value_cache + base.scales + lane.v_scales[q] : p.value_cache, scales_read);
   }
 }
 
-// Linear V scales: each lane's bytes of its four keys 4t + i (byte i), per run and group, gathered from the words
-// its t's lanes loaded: key 4t + i's word w is held by lane g = i + 4 (w % 2), as its load w / 2.
 template <int D, bool SWIZZLE, bool FP8>
-__device__ __forceinline__ void join_v_scales(DecodeChunk<D, FP8>& c, const ScaleWords<D, FP8>& words) {
+__device__ __forceinline__ void copy_chunk(uint8_t* slot, const Params& p, const LaneOffsets<D, SWIZZLE, FP8>& lane,
+                                           int2 blocks, int head, int chunk_start, int lo, int hi) {
+  if (blocks.x >= 0 && blocks.y >= 0 && chunk_start >= lo && chunk_start + DECODE_CHUNK <= hi)
+    copy_chunk_keys<true>(slot, p, lane, blocks, head, chunk_start, lo, hi);
+  else
+    copy_chunk_keys<false>(slot, p, lane, blocks, head, chunk_start, lo, hi);
+}
+
+// This lane's V scale bytes of run b, byte i for key 4t + i, per group q, from the words it copied. Swizzled: the
+// bytes of keys outside [lo, hi) are zeroed (their codes are zero, but a scale byte may be NaN, and NaN · 0 is NaN).
+// Linear: gathered from the words its t's lanes copied: key 4t + i's word w is held by lane g = i + 4 (w % 2), as
+// its copy w / 2.
+template <int D, bool SWIZZLE, bool FP8>
+__device__ __forceinline__ void read_v_scales(uint32_t (&v_scales)[DecodeShape<D, FP8>::V_GROUPS], const uint8_t* slot,
+                                              int b, int run, int lo, int hi) {
   using S = DecodeShape<D, FP8>;
-  if constexpr (!SWIZZLE) {
-    const int g = (threadIdx.x % WARP) >> 2, t = threadIdx.x & 3;
-    const int group = S::V_BYTES * 2 * g / 16, word = group / 4;  // all of a lane's groups share one word
+  using L = DecodeSlot<D, FP8>;
+  const int lane_id = threadIdx.x % WARP, g = lane_id >> 2, t = lane_id & 3;
+  uint32_t words[S::V_GROUPS];
 #pragma unroll
-    for (int b = 0; b < 2; ++b) {
-      uint32_t got[4][S::V_GROUPS];
+  for (int q = 0; q < S::V_GROUPS; ++q)
+    read_own<4>(&words[q], slot + L::V_SCALES + ((b * S::V_GROUPS + q) * WARP + lane_id) * 4);
+  if constexpr (SWIZZLE) {
+    const int first = run + 4 * t;
+    uint32_t keep = 0xFFFFFFFFu;
+    if (first < lo || first + 4 > hi) {
+      keep = 0;
 #pragma unroll
       for (int i = 0; i < 4; ++i)
+        if (first + i >= lo && first + i < hi) keep |= 0xFFu << (8 * i);
+    }
 #pragma unroll
-        for (int l = 0; l < S::V_GROUPS; ++l)
-          got[i][l] = __shfl_sync(0xffffffffu, words[b][l], 4 * (i + 4 * (word % 2)) + t);
+    for (int q = 0; q < S::V_GROUPS; ++q) v_scales[q] = words[q] & keep;
+  } else {
+    const int group = S::V_BYTES * 2 * g / 16, word = group / 4;  // all of a lane's groups share one word
+    uint32_t got[4][S::V_GROUPS];
 #pragma unroll
-      for (int q = 0; q < S::V_GROUPS; ++q) {
-        const int byte = 4 * (word / 2) + (group + q) % 4;  // in the pair (load 0, load V_GROUPS - 1)
-        uint32_t x[4];
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) x[i] = __byte_perm(got[i][0], got[i][S::V_GROUPS - 1], byte);
-        c.v_scales[b][q] = __byte_perm(__byte_perm(x[0], x[1], 0x0040), __byte_perm(x[2], x[3], 0x0040), 0x5410);
-      }
+      for (int l = 0; l < S::V_GROUPS; ++l)
+        got[i][l] = __shfl_sync(0xffffffffu, words[l], 4 * (i + 4 * (word % 2)) + t);
+#pragma unroll
+    for (int q = 0; q < S::V_GROUPS; ++q) {
+      const int byte = 4 * (word / 2) + (group + q) % 4;  // in the pair (copy 0, copy V_GROUPS - 1)
+      uint32_t x[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) x[i] = __byte_perm(got[i][0], got[i][S::V_GROUPS - 1], byte);
+      v_scales[q] = __byte_perm(__byte_perm(x[0], x[1], 0x0040), __byte_perm(x[2], x[3], 0x0040), 0x5410);
     }
   }
 }
@@ -851,21 +886,18 @@ __device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, ui
   s1 = __byte_perm(h, h, 0x3232);
 }
 
-// CTAs an SM as the registers allow: four for head 64's decode (128 registers a thread), three (168) up to head 128,
-// two for the wide cases (head 256, or 16 query rows). FP8 keys hold twice the K bytes in flight: two CTAs an SM
-// from head 128 (head 256 runs the fused kernel).
-constexpr int decode_ctas_per_sm(int d, int nb, bool fp8) {
-  const int width = d * nb * (fp8 ? 2 : 1);
-  return width >= 256 ? 2 : width == 64 ? 4 : 3;
-}
+// CTAs an SM as the registers allow (a chunk's bytes wait in shared memory, so the output accumulators dominate):
+// four (128 registers a thread) up to head 128 with 8 query rows, two for the wide cases (head 256, or 16 rows).
+constexpr int decode_ctas_per_sm(int d, int nb) { return d * nb <= 128 ? 4 : 2; }
 
 template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
-__global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB, FP8)) nvfp4_paged_decode_kernel(Params p) {
+__global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvfp4_paged_decode_kernel(Params p) {
   using S = DecodeShape<D, FP8>;
   constexpr int QROWS = 8 * NB;
   __shared__ float merge_m[DECODE_WARPS][QROWS], merge_l[DECODE_WARPS][QROWS];
-  __shared__ uint2 query_frags[NB][S::KSTEPS][WARP];  // the B fragments, the same in every warp
-  extern __shared__ float merge_o[];                  // [DECODE_WARPS][QROWS][D]
+  __shared__ uint2 query_frags[NB][S::KSTEPS][WARP];       // the B fragments, the same in every warp
+  extern __shared__ __align__(16) uint8_t decode_smem[];   // per warp a ring of two DecodeSlots; then merge_o
+  float* merge_o = reinterpret_cast<float*>(decode_smem);  // [DECODE_WARPS][QROWS][D]
 
   const int head = blockIdx.x, split = blockIdx.y, request = blockIdx.z;
   const int q_start = __ldg(p.query_start_loc + request);
@@ -935,18 +967,26 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB, FP8)
   const int all_lo = p.sliding_window > 0 ? seq_len - p.sliding_window : 0;
   const int all_hi = p.causal ? first_query_pos + 1 : seq_len;
 
-  auto attend = [&](const DecodeChunk<D, FP8>& c, int chunk_start) {
+  using L = DecodeSlot<D, FP8>;
+  auto attend = [&](const uint8_t* slot, int chunk_start) {
     float s[2][NB][4];
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) s[b][nb][0] = s[b][nb][1] = s[b][nb][2] = s[b][nb][3] = 0.0f;
+      uint32_t k[2][S::K_WORDS];  // keys σ(g), σ(g) + 2
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int piece = 0; piece < L::K_PIECES; ++piece)
+          read_own<L::K_PIECE>(&k[r][piece * L::K_PIECE / 4],
+                               slot + L::K_DATA + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane) * L::K_PIECE);
       if constexpr (FP8) {
 #pragma unroll
         for (int u = 0; u < S::K_GROUPS; ++u) {
           uint32_t h0[4], h1[4];  // keys σ(g), σ(g) + 2
-          fp8_pairs(c.k[b][0][2 * u], c.k[b][0][2 * u + 1], h0);
-          fp8_pairs(c.k[b][1][2 * u], c.k[b][1][2 * u + 1], h1);
+          fp8_pairs(k[0][2 * u], k[0][2 * u + 1], h0);
+          fp8_pairs(k[1][2 * u], k[1][2 * u + 1], h1);
           const uint32_t a0[4] = {h0[0], h1[0], h0[1], h1[1]}, a1[4] = {h0[2], h1[2], h0[3], h1[3]};
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
@@ -959,12 +999,15 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB, FP8)
       uint32_t sf[2][4];  // [key][scale byte], splatted
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        scale_splat(c.k_scales[b][r], sf[r][0], sf[r][1]);
-        if constexpr (S::K_SCALES == 4) scale_splat(c.k_scales[b][r] >> 16, sf[r][2], sf[r][3]);
+        uint32_t word;  // the aligned word holding this lane's K_SCALES bytes
+        read_own<4>(&word, slot + L::K_SCALES + ((2 * b + r) * WARP + lane) * 4);
+        const uint32_t scales = word >> (8 * ((S::K_SCALES * t) & 3));
+        scale_splat(scales, sf[r][0], sf[r][1]);
+        if constexpr (S::K_SCALES == 4) scale_splat(scales >> 16, sf[r][2], sf[r][3]);
       }
 #pragma unroll
       for (int u = 0; u < S::K_WORDS; ++u) {
-        const uint32_t w0 = c.k[b][0][u], w1 = c.k[b][1][u];
+        const uint32_t w0 = k[0][u], w1 = k[1][u];
         const uint32_t f0 = sf[0][u >> 1], f1 = sf[1][u >> 1];
         uint32_t h0[4], h1[4];
         code_pairs(w0, h0);
@@ -1042,6 +1085,11 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB, FP8)
     // (4t, 4t + 1) and (4t + 2, 4t + 3), interleaved from two keys' code words by byte permutes.
 #pragma unroll
     for (int b = 0; b < 2; ++b) {
+      uint32_t v[4][S::V_WORDS], v_scales[S::V_GROUPS];  // keys 4t + i
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        read_own<S::V_BYTES>(v[i], slot + L::V_DATA + ((4 * b + i) * WARP + lane) * S::V_BYTES);
+      read_v_scales<D, SWIZZLE, FP8>(v_scales, slot, b, chunk_start + 16 * b, kv_lo, seq_len);
       uint32_t pb[NB][2];
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
@@ -1050,11 +1098,10 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB, FP8)
       }
 #pragma unroll
       for (int u = 0; u < S::V_WORDS; ++u) {
-        const uint32_t scales = c.v_scales[b][u >> 1];
+        const uint32_t scales = v_scales[u >> 1];
         const uint32_t sf01 = scale_pair(scales & 0xFFFFu), sf23 = scale_pair(scales >> 16);
-        const uint32_t halves[2][2] = {
-            {__byte_perm(c.v[b][0][u], c.v[b][1][u], 0x5410), __byte_perm(c.v[b][2][u], c.v[b][3][u], 0x5410)},
-            {__byte_perm(c.v[b][0][u], c.v[b][1][u], 0x7632), __byte_perm(c.v[b][2][u], c.v[b][3][u], 0x7632)}};
+        const uint32_t halves[2][2] = {{__byte_perm(v[0][u], v[1][u], 0x5410), __byte_perm(v[2][u], v[3][u], 0x5410)},
+                                       {__byte_perm(v[0][u], v[1][u], 0x7632), __byte_perm(v[2][u], v[3][u], 0x7632)}};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint32_t x01 = halves[h][0], x23 = halves[h][1];
@@ -1074,7 +1121,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB, FP8)
     }
   };
 
-  // Each warp: its chunks' bytes loaded one chunk ahead of their use, their blocks read two chunks ahead.
+  // Each warp: its chunks' bytes copied into its ring of two slots one chunk ahead of their use, their blocks read
+  // two chunks ahead.
   const int32_t* table_row = p.block_table + static_cast<int64_t>(request) * p.table_stride;
   const LaneOffsets<D, SWIZZLE, FP8> offsets(p);
   const int mine =
@@ -1083,28 +1131,21 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB, FP8)
   auto blocks_of = [&](int i) {
     return i < mine ? chunk_blocks(p, table_row, chunk_start(i), seq_len) : make_int2(-1, -1);
   };
-  DecodeChunk<D, FP8> even, odd;
-  ScaleWords<D, FP8> scale_words;
+  uint8_t* ring = decode_smem + warp * 2 * L::BYTES;
+  if (mine > 0) copy_chunk<D, SWIZZLE, FP8>(ring, p, offsets, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
+  copy_commit();
   int2 next_blocks = blocks_of(1);
-  if (mine > 0) {
-    load_chunk<D, SWIZZLE, FP8>(even, scale_words, p, offsets, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
-    join_v_scales<D, SWIZZLE, FP8>(even, scale_words);
-  }
-  for (int i = 0; i < mine; i += 2) {
-    int2 later = blocks_of(i + 2);
+  for (int i = 0; i < mine; ++i) {
+    const int2 later = blocks_of(i + 2);
     if (i + 1 < mine)
-      load_chunk<D, SWIZZLE, FP8>(odd, scale_words, p, offsets, next_blocks, head, chunk_start(i + 1), kv_lo, seq_len);
+      copy_chunk<D, SWIZZLE, FP8>(ring + ((i + 1) & 1) * L::BYTES, p, offsets, next_blocks, head, chunk_start(i + 1),
+                                  kv_lo, seq_len);
+    copy_commit();
     next_blocks = later;
-    attend(even, chunk_start(i));
-    if (i + 1 >= mine) break;
-    join_v_scales<D, SWIZZLE, FP8>(odd, scale_words);
-    later = blocks_of(i + 3);
-    if (i + 2 < mine)
-      load_chunk<D, SWIZZLE, FP8>(even, scale_words, p, offsets, next_blocks, head, chunk_start(i + 2), kv_lo, seq_len);
-    next_blocks = later;
-    attend(odd, chunk_start(i + 1));
-    join_v_scales<D, SWIZZLE, FP8>(even, scale_words);
+    copy_wait<1>();  // chunk i's copies are done
+    attend(ring + (i & 1) * L::BYTES, chunk_start(i));
   }
+  __syncthreads();  // the rings become merge_o
 
   // Merge the four warps: each publishes its rows' max, sum and unnormalized output (channel (D/8) g + c holds
   // code c of the lane's eighth: c = 2 mb + 1 for the fragment's rows g + 8).
@@ -1252,7 +1293,7 @@ void launch_combine(const Params& p, int64_t num_reqs, int64_t q_heads, const Te
 }
 
 // Splits of each CTA's KV range: from half to twice as many as fill the GPU twice over (each at least 8 chunks),
-// the count whose CTAs best fill their last wave of `resident` (fewest splits within 3% of the best): a wave left
+// the count whose CTAs best fill their last wave of `resident` (fewest splits within 4% of the best): a wave left
 // mostly empty would cost as much as a full one.
 int64_t wave_filling_splits(int64_t ctas, int64_t resident, int64_t chunk_bound) {
   const int64_t most = std::max<int64_t>(1, chunk_bound / 8);
@@ -1265,7 +1306,7 @@ int64_t wave_filling_splits(int64_t ctas, int64_t resident, int64_t chunk_bound)
   for (int64_t splits = std::max<int64_t>(1, twice_over / 2); splits <= std::min(most, 2 * twice_over); ++splits)
     if (waste(splits) < waste(best)) best = splits;
   for (int64_t splits = std::max<int64_t>(1, twice_over / 2); splits <= best; ++splits)
-    if (waste(splits) <= waste(best) * 1.03) return splits;
+    if (waste(splits) <= waste(best) * 1.04) return splits;
   return best;
 }
 
@@ -1274,7 +1315,8 @@ template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
 void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
                    const Tensor& query_start_loc, cudaStream_t stream) {
   auto kernel = nvfp4_paged_decode_kernel<D, NB, SWIZZLE, FP8, T>;
-  const int smem_bytes = DECODE_WARPS * 8 * NB * D * static_cast<int>(sizeof(float));
+  const int smem_bytes = std::max(DECODE_WARPS * 2 * DecodeSlot<D, FP8>::BYTES,  // the rings, then merge_o
+                                  DECODE_WARPS * 8 * NB * D * static_cast<int>(sizeof(float)));
   static const bool smem_set =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) == cudaSuccess;
   NVFP4_CHECK(smem_set, "nvfp4_paged_attention: cannot reserve the decode kernel's shared memory");
@@ -1334,19 +1376,19 @@ void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_
 }
 
 // The decode kernel reads 16-key runs that never cross a block, so block sizes that are not a multiple of 16 run
-// the fused kernel, as do FP8 keys at head 256 (two chunks of their keys in registers would spill).
+// the fused kernel.
 template <int D, bool FP8, typename T>
 void dispatch_rows(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
                    const Tensor& query_start_loc, const Tensor& out, cudaStream_t stream) {
   const int64_t rows = max_query_len * p.group;
   const bool swizzle = p.layout.swizzle_v_scales;
-  if constexpr (!(FP8 && D == 256)) {
-    if (p.layout.block_size % 16 == 0 && rows <= 8)
+  if (p.layout.block_size % 16 == 0) {
+    if (rows <= 8)
       return swizzle ? launch_decode<D, 1, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
                                                          query_start_loc, stream)
                      : launch_decode<D, 1, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
                                                           query_start_loc, stream);
-    if (p.layout.block_size % 16 == 0 && rows <= 16)
+    if (rows <= 16)
       return swizzle ? launch_decode<D, 2, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
                                                          query_start_loc, stream)
                      : launch_decode<D, 2, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
