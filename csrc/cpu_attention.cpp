@@ -22,8 +22,8 @@
 // probability split into a bf16 high part plus a bf16 low part (within 2^-16 of it), float32 sums. Each output
 // element of a tile product is its own pair's sum, whatever the tile's other rows hold. Requests of fewer than
 // AMX_MIN_ROWS query rows take the AVX512-BF16 code on such a CPU (tiles made decode slower), so there a decode row,
-// or a chunk that short, matches the same row in a longer step to the accuracy contract (rel-L2 1e-3), not byte
-// for byte; the other guarantees above hold for every variant.
+// or a chunk that short, matches the same row in a longer step to rel-L2 1e-4, not byte for byte; the other
+// guarantees above hold for every variant.
 //
 // Model features. A sliding window starts a unit's keys at its first row's window: older keys, and splits and
 // tiles holding none of the unit's keys, are never read; inside a tile each row masks its own window edge. Tiles
