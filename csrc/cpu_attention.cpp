@@ -20,10 +20,8 @@
 // as AMX-BF16 code: scores are tile products of the bf16 queries and the keys decoded to bf16 (e2m1 · SF is a bf16
 // value), so every product is exact; the weighted sums are tile products of the values decoded to bf16 and each
 // probability split into a bf16 high part plus a bf16 low part (within 2^-16 of it), float32 sums. Each output
-// element of a tile product is its own pair's sum, whatever the tile's other rows hold. Requests of fewer than
-// AMX_MIN_ROWS query rows take the AVX512-BF16 code on such a CPU (tiles made decode slower), so there a decode row,
-// or a chunk that short, matches the same row in a longer step to rel-L2 1e-4, not byte for byte; the other
-// guarantees above hold for every variant.
+// element of a tile product is its own pair's sum, whatever the tile's other rows hold, so the guarantees above hold
+// for every variant (a CPU runs one variant for a dtype; the variants differ in the order of float32 sums).
 //
 // Model features. A sliding window starts a unit's keys at its first row's window: older keys, and splits and
 // tiles holding none of the unit's keys, are never read; inside a tile each row masks its own window edge. Tiles
@@ -69,9 +67,6 @@ constexpr int64_t PARTIAL_FLOATS_MAX = int64_t{1} << 25;
 // Below this many (pair, key) scores (about 0.1 ms of work) a call runs on one thread: waking the OpenMP team
 // costs more.
 constexpr int64_t PARALLEL_MIN_SCORES = int64_t{1} << 12;
-// Requests of fewer query rows (decode, speculative decode, short chunks) take the AVX512-BF16 code where the CPU has
-// AMX: a tile product of 16 pairs costs about as much for 3 pairs, and decode ran up to 1.6x slower on tiles.
-constexpr int64_t AMX_MIN_ROWS = 16;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 #define NVFP4_INLINE inline __attribute__((always_inline))
@@ -102,7 +97,6 @@ struct Unit {
   int64_t seq_len;
   int64_t key_begin, key_end;  // keys [key_begin, key_end) are seen by some row; no other key is read
   int64_t partials;            // offset of the unit's per-split partials, or -1: one task merges as it goes
-  bool tiles;  // the request has AMX_MIN_ROWS query rows or more: AMX tile products where the CPU has them
 
   // The splits holding the unit's keys, [split_begin(), split_end()).
   int64_t split_begin() const { return key_begin / SPLIT; }
@@ -923,27 +917,27 @@ NVFP4_TARGET_AMX __attribute__((flatten)) void attend_split_amx(const Batch& b, 
 }
 #endif
 
-// bf16_scores: the queries are bf16 and the keys NVFP4, so AMX tile products (tiles: where the CPU has them) or
-// AVX512-BF16 dot products give the scores.
+// bf16_scores: the queries are bf16 and the keys NVFP4, so AMX tile products or AVX512-BF16 dot products give the
+// scores.
 template <int D>
-AttendSplit attend_split_for_cpu(bool bf16_scores, bool tiles) {
+AttendSplit attend_split_for_cpu(bool bf16_scores) {
 #if NVFP4_X86
-  if (bf16_scores && tiles && cpu_isa() == Isa::Amx) return attend_split_amx<D>;
-  if (bf16_scores && cpu_isa() >= Isa::Avx512Bf16) return attend_split_avx512bf16<D>;
+  if (bf16_scores && cpu_isa() == Isa::Amx) return attend_split_amx<D>;
+  if (bf16_scores && cpu_isa() == Isa::Avx512Bf16) return attend_split_avx512bf16<D>;
   if (cpu_isa() >= Isa::Avx512) return attend_split_avx512<D>;
   if (cpu_isa() == Isa::Avx2) return attend_split_avx2<D>;
 #endif
   return attend_split_baseline<D>;
 }
 
-AttendSplit attend_split_for(int64_t head_size, bool bf16_scores, bool tiles) {
+AttendSplit attend_split_for(int64_t head_size, bool bf16_scores) {
   switch (head_size) {
     case 64:
-      return attend_split_for_cpu<64>(bf16_scores, tiles);
+      return attend_split_for_cpu<64>(bf16_scores);
     case 128:
-      return attend_split_for_cpu<128>(bf16_scores, tiles);
+      return attend_split_for_cpu<128>(bf16_scores);
     default:
-      return attend_split_for_cpu<256>(bf16_scores, tiles);  // the argument checks allow 64, 128 and 256
+      return attend_split_for_cpu<256>(bf16_scores);  // the argument checks allow 64, 128 and 256
   }
 }
 
@@ -1065,7 +1059,7 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
       const int64_t pos0 = c - n + row, key_end = causal ? pos0 + rows : c;
       const int64_t key_begin = b.window > 0 ? std::max<int64_t>(0, pos0 - b.window + 1) : 0;
       for (int64_t h = 0; h < layout.num_heads; ++h)
-        units.push_back({r, h, starts[r] + row, rows, pos0, c, key_begin, key_end, -1, n >= AMX_MIN_ROWS});
+        units.push_back({r, h, starts[r] + row, rows, pos0, c, key_begin, key_end, -1});
       scores += layout.num_heads * rows * group * (key_end - key_begin);
     }
   }
@@ -1092,9 +1086,8 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
   }
   std::vector<float> partials(partial_floats);
 
-  const bool bf16_scores = query.scalar_type() == ScalarType::BFloat16 && !layout.fp8_keys;
-  const AttendSplit attend_rows = attend_split_for(head_size, bf16_scores, false);
-  const AttendSplit attend_tiles = attend_split_for(head_size, bf16_scores, true);
+  const AttendSplit attend_split =
+      attend_split_for(head_size, query.scalar_type() == ScalarType::BFloat16 && !layout.fp8_keys);
   const int64_t max_pairs = rows_per_unit * group;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   dispatch_float_types(query.scalar_type(), [&](auto tag) {
@@ -1110,7 +1103,6 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
       for (int64_t i = 0; i < num_tasks; ++i) {
         const Task task = tasks[i];
         const Unit& u = units[task.unit];
-        const AttendSplit attend_split = u.tiles ? attend_tiles : attend_rows;
         const int64_t pairs = u.rows * group;
         load_queries(u, group, head_size, q, q_token, q_head, scratch.q.get());
         if (task.split >= 0) {  // this split's state goes to the unit's partials
