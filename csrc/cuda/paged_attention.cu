@@ -675,32 +675,6 @@ __device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
   return y;
 }
 
-template <int BYTES>
-__device__ __forceinline__ void load_words(uint32_t* dst, const uint8_t* src) {
-  if constexpr (BYTES == 4) {
-    dst[0] = __ldg(reinterpret_cast<const uint32_t*>(src));
-  } else if constexpr (BYTES == 8) {
-    const uint2 v = __ldg(reinterpret_cast<const uint2*>(src));
-    dst[0] = v.x, dst[1] = v.y;
-  } else {
-#pragma unroll
-    for (int i = 0; i < BYTES / 16; ++i) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(src) + i);
-      dst[4 * i] = v.x, dst[4 * i + 1] = v.y, dst[4 * i + 2] = v.z, dst[4 * i + 3] = v.w;
-    }
-  }
-}
-
-template <int BYTES>
-__device__ __forceinline__ uint32_t load_small(const uint8_t* src) {
-  if constexpr (BYTES == 1)
-    return __ldg(src);
-  else if constexpr (BYTES == 2)
-    return __ldg(reinterpret_cast<const uint16_t*>(src));
-  else
-    return __ldg(reinterpret_cast<const uint32_t*>(src));
-}
-
 // This lane's byte offsets inside a 16-key run of one block (from the run's first (key, head) entry), in either
 // cache side: its first K key's code quarter and the 4-byte word of its scale bytes (a scale row is a multiple of
 // 4 bytes; its second K key lies 2 token_step entries further),
