@@ -72,6 +72,8 @@ def vllm_case(batch: int, context: int, heads: tuple[int, int, int], kv_cache_dt
         isa = _get_attn_isa(torch.bfloat16, BLOCK_SIZE, head_size, kv_cache_dtype)
     except NotImplementedError as e:
         return str(e), 0
+    if isa == "amx":
+        torch._C._cpu._init_amx()  # as vLLM's CPU worker does at start: Linux grants the AMX tile state on request
     pages = context // BLOCK_SIZE
     kv_cache = torch.randn(batch * pages, kv_heads, 2 * BLOCK_SIZE, head_size, generator=g).bfloat16()
     if kv_cache_dtype != "auto":

@@ -16,7 +16,14 @@
 // Values are decoded by rows as e2m1 · SF and accumulated with the probabilities broadcast. Scores, softmax and sums
 // are float32; k_scale is folded into the score scale and v_scale into the final 1 / sum. Like cpu_ops.cpp,
 // the tile kernel exists as AVX-512, AVX2 and baseline x86-64 code (cpu_isa.h), and for bf16 queries over NVFP4
-// keys as AVX512-BF16 code, whose scores are bf16 dot products (exact products, float32 sums in another order).
+// keys as AVX512-BF16 code, whose scores are bf16 dot products (exact products, float32 sums in another order), and
+// as AMX-BF16 code: scores are tile products of the bf16 queries and the keys decoded to bf16 (e2m1 · SF is a bf16
+// value), so every product is exact; the weighted sums are tile products of the values decoded to bf16 and each
+// probability split into a bf16 high part plus a bf16 low part (within 2^-16 of it), float32 sums. Each output
+// element of a tile product is its own pair's sum, whatever the tile's other rows hold. Requests of fewer than
+// AMX_MIN_ROWS query rows take the AVX512-BF16 code on such a CPU (tiles made decode slower), so there a decode row,
+// or a chunk that short, matches the same row in a longer step to the accuracy contract (rel-L2 1e-3), not byte
+// for byte; the other guarantees above hold for every variant.
 //
 // Model features. A sliding window starts a unit's keys at its first row's window: older keys, and splits and
 // tiles holding none of the unit's keys, are never read; inside a tile each row masks its own window edge. Tiles
@@ -62,6 +69,9 @@ constexpr int64_t PARTIAL_FLOATS_MAX = int64_t{1} << 25;
 // Below this many (pair, key) scores (about 0.1 ms of work) a call runs on one thread: waking the OpenMP team
 // costs more.
 constexpr int64_t PARALLEL_MIN_SCORES = int64_t{1} << 12;
+// Requests of fewer query rows (decode, speculative decode, short chunks) take the AVX512-BF16 code where the CPU has
+// AMX: a tile product of 16 pairs costs about as much for 3 pairs, and decode ran up to 1.6x slower on tiles.
+constexpr int64_t AMX_MIN_ROWS = 16;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 #define NVFP4_INLINE inline __attribute__((always_inline))
@@ -92,6 +102,7 @@ struct Unit {
   int64_t seq_len;
   int64_t key_begin, key_end;  // keys [key_begin, key_end) are seen by some row; no other key is read
   int64_t partials;            // offset of the unit's per-split partials, or -1: one task merges as it goes
+  bool tiles;  // the request has AMX_MIN_ROWS query rows or more: AMX tile products where the CPU has them
 
   // The splits holding the unit's keys, [split_begin(), split_end()).
   int64_t split_begin() const { return key_begin / SPLIT; }
@@ -120,25 +131,30 @@ struct State {
       : m(new float[pairs]), l(new float[pairs]), acc(new float[pairs * head_size]) {}
 };
 
-// One thread's buffers. Left uninitialized: every part read was written first.
+// One thread's buffers. Left uninitialized: every part read was written first. AMX tiles of 16 pairs read and
+// write up to 15 rows past the last pair: q_bf16 and probs have those rows, zeroed, and what lands there is unused.
 struct Scratch {
   int64_t head_size;
-  std::unique_ptr<float[]> q;          // [pairs][D] float32 queries
-  std::unique_ptr<uint32_t[]> q_bf16;  // [pairs][D / 2]: bf16 queries in pair_scores_bf16's order
-  std::unique_ptr<float[]> keys;       // [D][TILE]: dimension d of the tile's keys (bf16 pairs: [D / 2][TILE])
-  std::unique_ptr<float[]> values;     // [TILE][D]
-  std::unique_ptr<float[]> probs;      // [pairs][TILE]
-  std::unique_ptr<float[]> alpha;      // [pairs]: the factor that rescales a pair's sums for this tile
+  std::unique_ptr<float[]> q;              // [pairs][D] float32 queries
+  std::unique_ptr<uint32_t[]> q_bf16;      // [pairs + 15][D / 2]: bf16 queries in pair_scores_bf16's order
+  std::unique_ptr<float[]> keys;           // [D][TILE]: dimension d of the tile's keys (bf16 pairs: [D / 2][TILE])
+  std::unique_ptr<float[]> values;         // [TILE][D] (AMX: [D / 16][TILE][16] bf16 pairs)
+  std::unique_ptr<float[]> probs;          // [pairs + 15][TILE]
+  std::unique_ptr<float[]> alpha;          // [pairs]: the factor that rescales a pair's sums for this tile
+  std::unique_ptr<uint16_t[]> prob_parts;  // AMX: [16][2][TILE] bf16 high and low parts of 16 pairs' probabilities
+  std::unique_ptr<float[]> tile_sums;      // AMX: [16][D] 16 pairs' weighted values of one tile
   State split, total;
 
   Scratch(int64_t pairs, int64_t head_size)
       : head_size(head_size),
         q(new float[pairs * head_size]),
-        q_bf16(new uint32_t[pairs * head_size / 2]),
+        q_bf16(new uint32_t[(pairs + 15) * head_size / 2]()),
         keys(new float[head_size * TILE]),
         values(new float[TILE * head_size]),
-        probs(new float[pairs * TILE]),
+        probs(new float[(pairs + 15) * TILE]()),
         alpha(new float[pairs]),
+        prob_parts(new uint16_t[2 * 16 * TILE]),
+        tile_sums(new float[16 * head_size]),
         split(pairs, head_size),
         total(pairs, head_size) {}
 };
@@ -177,6 +193,8 @@ struct Fma<Isa::Avx512> {
 #if NVFP4_X86
 template <>
 struct Fma<Isa::Avx512Bf16> : Fma<Isa::Avx512> {};
+template <>
+struct Fma<Isa::Amx> : Fma<Isa::Avx512> {};
 #endif
 
 // The 16 bytes at p as 32-bit lanes (GCC builds __builtin_convertvector of bytes lane by lane).
@@ -205,6 +223,8 @@ struct Widen<Isa::Avx2> {
 };
 template <>
 struct Widen<Isa::Avx512Bf16> : Widen<Isa::Avx512> {};
+template <>
+struct Widen<Isa::Amx> : Widen<Isa::Avx512> {};
 
 // AVX512-BF16 scores (bf16 queries): E2M1 values and a bf16 query are exact in bf16, and their products in float32,
 // so one dot-product instruction takes two dimensions of 16 keys where fused multiply-adds take one.
@@ -219,6 +239,13 @@ struct Bf16 {
     const u16x32 index = __builtin_bit_cast(u16x32, words) >> shift;
     return __builtin_bit_cast(
         u32x16, _mm512_permutexvar_epi16(__builtin_bit_cast(__m512i, index), __builtin_bit_cast(__m512i, table)));
+  }
+  // Both bf16 halves of each lane times the lane's float32 scale; exact where the products are bf16 values, as
+  // E2M1 values times E4M3 block scales are (at most 6 significant bits, exponents within float32's).
+  NVFP4_TARGET_AVX512_BF16 static inline u32x16 scale_pairs(u32x16 pairs, f32x16 scale) {
+    const u32x16 low = simd::as_u32(simd::as_f32(pairs << 16) * scale);
+    const u32x16 high = simd::as_u32(simd::as_f32(pairs & 0xFFFF0000u) * scale);
+    return (low >> 16) | (high & 0xFFFF0000u);
   }
   // acc + a.lo · b.lo + a.hi · b.hi in each lane, a and b pairs of bf16.
   NVFP4_TARGET_AVX512_BF16 static inline f32x16 dot(f32x16 acc, u32x16 a, u32x16 b) {
@@ -459,10 +486,12 @@ NVFP4_INLINE void decode_keys(const TileTokens& t, float* keys, f32x16 (&scales)
     }
     for (int w = w0; w < std::min(w0 + 16, WORDS); ++w) {
 #if NVFP4_X86
-      if constexpr (I == Isa::Avx512Bf16) {
-        // keys[4w + k] as bf16 pairs: dimensions 8w + k and 8w + 4 + k (the two 16-bit halves of word w).
+      if constexpr (I >= Isa::Avx512Bf16) {
+        // keys[4w + k] as bf16 pairs: dimensions 8w + k and 8w + 4 + k (the two 16-bit halves of word w). AMX:
+        // times the block scale of the word's group, as the tile product has no place to apply it per group.
         for (int k = 0; k < 4; ++k) {
-          const u32x16 pairs = Bf16::e2m1_pairs(words[w - w0], 4 * k);
+          u32x16 pairs = Bf16::e2m1_pairs(words[w - w0], 4 * k);
+          if constexpr (I == Isa::Amx) pairs = Bf16::scale_pairs(pairs, scales[w / 2]);
           std::memcpy(keys + (4 * w + k) * TILE, &pairs, sizeof pairs);
         }
         continue;
@@ -654,6 +683,137 @@ NVFP4_INLINE void tile_values(const TileTokens& t, const float* probs, const flo
   }
 }
 
+#if NVFP4_X86
+// AMX-BF16 tile products for bf16 queries over NVFP4 keys, every tile 16 rows of 64 bytes. Tiles: 0 scores (16 pairs
+// x 16 keys, float32), 1 queries (16 pairs x 32 dimensions, bf16), 2 keys (16 dimension pairs x 16 keys), 3 the
+// probabilities (16 pairs x their bf16 high parts of 16 keys, then their low parts), 4 values (8 key pairs x 16
+// dimensions, twice: for the high and the low parts), 5 weighted values (16 pairs x 16 dimensions, float32). Each
+// output element is one pair's own sum in the hardware's fixed order, whatever the other rows of its tile hold.
+// The instructions are written out with a memory clobber: GCC's tile intrinsics do not tell the compiler that they
+// read and write memory.
+#define NVFP4_TILE_LOAD(tile, base, stride) \
+  asm volatile("tileloadd (%0,%1,1), %%tmm" #tile::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
+#define NVFP4_TILE_STORE(tile, base, stride) \
+  asm volatile("tilestored %%tmm" #tile ", (%0,%1,1)" ::"r"(base), "r"(static_cast<int64_t>(stride)) : "memory")
+#define NVFP4_TILE_ZERO(tile) asm volatile("tilezero %%tmm" #tile::)
+#define NVFP4_TILE_DOT(acc, a, b) asm volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #acc::)
+
+struct Amx {
+  typedef uint16_t u16x32 __attribute__((vector_size(64)));
+
+  struct alignas(64) Config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+  };
+  static void configure() {
+    Config config = {};
+    config.palette = 1;
+    for (int tile = 0; tile < 6; ++tile) {
+      config.rows[tile] = 16;
+      config.bytes_per_row[tile] = 64;
+    }
+    asm volatile("ldtilecfg %0" ::"m"(config));
+  }
+  static void release() { asm volatile("tilerelease" ::: "memory"); }
+
+  // Scores of pairs [first, last), 16 at a time, into scratch.probs: the bf16 queries times decode_keys' keys
+  // (scaled to bf16, exact), every product exact, float32 sums.
+  template <int D>
+  static void scores(const Scratch& scratch, int64_t first, int64_t last) {
+    for (int64_t p = first; p < last; p += 16) {
+      NVFP4_TILE_ZERO(0);
+      for (int c = 0; c < D / 32; ++c) {
+        NVFP4_TILE_LOAD(1, scratch.q_bf16.get() + p * D / 2 + 16 * c, 2 * D);
+        NVFP4_TILE_LOAD(2, scratch.keys.get() + 16 * c * TILE, 4 * TILE);
+        NVFP4_TILE_DOT(0, 1, 2);
+      }
+      NVFP4_TILE_STORE(0, scratch.probs.get() + p * TILE, 4 * TILE);
+    }
+  }
+
+  // Dimensions 32c..32c+31 of key j as bf16, in decode_values' order (the 16 even ones, then the 16 odd ones):
+  // e2m1 · SF is a bf16 value, so a 32-entry table of the two groups' products' high halves that the codes index.
+  NVFP4_TARGET_AMX static inline u16x32 value_row(const TileTokens& t, int j, int c) {
+    const uint8_t* scales = t.value_scales[j];
+    const int64_t* delta = t.value_delta[j];
+    const f32x16 first = simd::E2M1_VALUES * E4M3.value[scales[delta[2 * c]]];
+    const f32x16 second = simd::E2M1_VALUES * E4M3.value[scales[delta[2 * c + 1]]];
+    const u16x32 table = __builtin_shufflevector(__builtin_bit_cast(u16x32, first), __builtin_bit_cast(u16x32, second),
+                                                 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37,
+                                                 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63);
+    simd::u8x16 bytes;
+    std::memcpy(&bytes, t.value_data[j] + 16 * c, sizeof bytes);
+    const simd::u16x16 codes = __builtin_convertvector(bytes, simd::u16x16);
+    const u16x32 second_group = {0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16,
+                                 0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
+    const u16x32 index =
+        __builtin_shufflevector(codes & 0xF, codes >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
+                                18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) |
+        second_group;
+    return __builtin_bit_cast(
+        u16x32, _mm512_permutexvar_epi16(__builtin_bit_cast(__m512i, index), __builtin_bit_cast(__m512i, table)));
+  }
+
+  // values[n][r][l]: keys 2r and 2r + 1 (low and high half) at the dimension of column l of block n, blocks in
+  // decode_values' order (16 even dimensions of 32, then the 16 odd ones); rows 8-15 repeat rows 0-7, for the low
+  // parts of the probabilities. Absent keys are 0: their probabilities are 0, and 0 · NaN would not be.
+  template <int D>
+  NVFP4_TARGET_AMX static inline void decode_values(const TileTokens& t, uint32_t* values) {
+    for (int r = 0; r < TILE / 2; ++r)
+      for (int c = 0; c < D / 32; ++c) {
+        u16x32 rows[2] = {};
+        for (int h = 0; h < 2; ++h)
+          if (t.first <= 2 * r + h && 2 * r + h < t.n) rows[h] = value_row(t, 2 * r + h, c);
+        const u16x32 evens =
+            __builtin_shufflevector(rows[0], rows[1], 0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9,
+                                    41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47);
+        const u16x32 odds =
+            __builtin_shufflevector(rows[0], rows[1], 16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63);
+        for (int repeat = 0; repeat < 2; ++repeat) {
+          std::memcpy(values + (2 * c * TILE + 8 * repeat + r) * 16, &evens, sizeof evens);
+          std::memcpy(values + ((2 * c + 1) * TILE + 8 * repeat + r) * 16, &odds, sizeof odds);
+        }
+      }
+  }
+
+  // sums[p] = sums[p] · alpha[p] + Σ_j prob[p][j] · values[j] for pairs [first, last), 16 at a time: each
+  // probability as a bf16 high part plus a bf16 low part (together within 2^-16 of it), every product exact,
+  // float32 sums.
+  template <int D>
+  NVFP4_TARGET_AMX static inline void weighted_values(Scratch& scratch, const uint32_t* values, int64_t first,
+                                                      int64_t last, float* sums) {
+    uint16_t* parts = scratch.prob_parts.get();  // [16][2 * TILE]: high parts, then low parts
+    for (int64_t p = first; p < last; p += 16) {
+      for (int i = 0; i < 16; ++i) {
+        const __m512 prob = __builtin_bit_cast(__m512, load(scratch.probs.get() + (p + i) * TILE));
+        const __m256bh h = _mm512_cvtneps_pbh(prob);
+        const __m512 rest = _mm512_sub_ps(
+            prob, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(__builtin_bit_cast(__m256i, h)), 16)));
+        const __m256bh l = _mm512_cvtneps_pbh(rest);
+        std::memcpy(parts + 2 * i * TILE, &h, sizeof h);
+        std::memcpy(parts + (2 * i + 1) * TILE, &l, sizeof l);
+      }
+      NVFP4_TILE_LOAD(3, parts, 4 * TILE);
+      for (int n = 0; n < D / 16; ++n) {
+        NVFP4_TILE_ZERO(5);
+        NVFP4_TILE_LOAD(4, values + n * 16 * TILE, 64);
+        NVFP4_TILE_DOT(5, 3, 4);
+        NVFP4_TILE_STORE(5, scratch.tile_sums.get() + 16 * n, 4 * D);
+      }
+      for (int64_t i = 0; i < std::min<int64_t>(16, last - p); ++i) {
+        float* acc = sums + (p + i) * D;
+        const float* tile_sum = scratch.tile_sums.get() + i * D;
+        const f32x16 alpha = broadcast(scratch.alpha[p + i]);
+        for (int c = 0; c < D / 16; ++c)
+          store(Fma<Isa::Amx>::apply(load(acc + 16 * c), alpha, load(tile_sum + 16 * c)), acc + 16 * c);
+      }
+    }
+  }
+};
+#endif
+
 // One split of one unit: the state of every pair whose row sees the split (the others keep l = 0).
 template <Isa I, int D>
 NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split, Scratch& scratch) {
@@ -665,7 +825,7 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
   const int64_t first_row = u.first_row_seeing(b, key_begin);
   std::fill(st.acc.get() + first_row * group * D, st.acc.get() + pairs * D, 0.0f);
   const float inverse_cap = b.soft_cap > 0.0f ? 1.0f / b.soft_cap : 0.0f;
-  if constexpr (I == Isa::Avx512Bf16) {
+  if constexpr (I >= Isa::Avx512Bf16) {
     // q_bf16[4w + k] = dimensions 8w + k (low half) and 8w + 4 + k of the bf16 query (exact in scratch.q).
     for (int64_t p = 0; p < pairs; ++p)
       for (int w = 0; w < D / 8; ++w)
@@ -691,7 +851,12 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
       decode_keys<I, D>(tokens, scratch.keys.get(), key_scales);
     const int64_t first = u.first_row_seeing(b, key0 + tokens.first) * group;
     const int64_t last = u.end_row_seeing(b, key0 + tokens.n - 1) * group;
-    tile_scores<I, D>(scratch, key_scales, first, last);
+#if NVFP4_X86
+    if constexpr (I == Isa::Amx)
+      Amx::scores<D>(scratch, first, last);
+    else
+#endif
+      tile_scores<I, D>(scratch, key_scales, first, last);
     // Online softmax: each pair's new max, its probabilities (exactly 0 for keys its row does not see) and the
     // factor exp(old max - new max) for its sums; 1 (skipped) when the max did not grow.
     for (int64_t p = first; p < last; ++p) {
@@ -715,6 +880,14 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
       store(probs, prob);
       scratch.alpha[p] = alpha;
     }
+#if NVFP4_X86
+    if constexpr (I == Isa::Amx) {
+      uint32_t* values = reinterpret_cast<uint32_t*>(scratch.values.get());
+      Amx::decode_values<D>(tokens, values);
+      Amx::weighted_values<D>(scratch, values, first, last, st.acc.get());
+      continue;
+    }
+#endif
     tile_values<I, D>(tokens, scratch.probs.get(), scratch.alpha.get(), first, last, scratch.values.get(),
                       st.acc.get());
   }
@@ -738,25 +911,39 @@ NVFP4_ATTEND_SPLIT(Isa::Avx512Bf16, NVFP4_TARGET_AVX512_BF16, avx512bf16)
 #endif
 #undef NVFP4_ATTEND_SPLIT
 
-// bf16_scores: the queries are bf16 and the keys NVFP4, so AVX512-BF16 dot products give the scores.
-template <int D>
-AttendSplit attend_split_for_cpu(bool bf16_scores) {
 #if NVFP4_X86
-  if (bf16_scores && cpu_isa() == Isa::Avx512Bf16) return attend_split_avx512bf16<D>;
+// The AMX variant configures the tiles for the split and hands them back after it, so that a thread that is not
+// in an attention call keeps no tile state for the kernel to save on a context switch.
+template <int D>
+NVFP4_TARGET_AMX __attribute__((flatten)) void attend_split_amx(const Batch& b, const Unit& u, int64_t s,
+                                                                Scratch& scratch) {
+  Amx::configure();
+  attend_split_impl<Isa::Amx, D>(b, u, s, scratch);
+  Amx::release();
+}
+#endif
+
+// bf16_scores: the queries are bf16 and the keys NVFP4, so AMX tile products (tiles: where the CPU has them) or
+// AVX512-BF16 dot products give the scores.
+template <int D>
+AttendSplit attend_split_for_cpu(bool bf16_scores, bool tiles) {
+#if NVFP4_X86
+  if (bf16_scores && tiles && cpu_isa() == Isa::Amx) return attend_split_amx<D>;
+  if (bf16_scores && cpu_isa() >= Isa::Avx512Bf16) return attend_split_avx512bf16<D>;
   if (cpu_isa() >= Isa::Avx512) return attend_split_avx512<D>;
   if (cpu_isa() == Isa::Avx2) return attend_split_avx2<D>;
 #endif
   return attend_split_baseline<D>;
 }
 
-AttendSplit attend_split_for(int64_t head_size, bool bf16_scores) {
+AttendSplit attend_split_for(int64_t head_size, bool bf16_scores, bool tiles) {
   switch (head_size) {
     case 64:
-      return attend_split_for_cpu<64>(bf16_scores);
+      return attend_split_for_cpu<64>(bf16_scores, tiles);
     case 128:
-      return attend_split_for_cpu<128>(bf16_scores);
+      return attend_split_for_cpu<128>(bf16_scores, tiles);
     default:
-      return attend_split_for_cpu<256>(bf16_scores);  // the argument checks allow 64, 128 and 256
+      return attend_split_for_cpu<256>(bf16_scores, tiles);  // the argument checks allow 64, 128 and 256
   }
 }
 
@@ -878,7 +1065,7 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
       const int64_t pos0 = c - n + row, key_end = causal ? pos0 + rows : c;
       const int64_t key_begin = b.window > 0 ? std::max<int64_t>(0, pos0 - b.window + 1) : 0;
       for (int64_t h = 0; h < layout.num_heads; ++h)
-        units.push_back({r, h, starts[r] + row, rows, pos0, c, key_begin, key_end, -1});
+        units.push_back({r, h, starts[r] + row, rows, pos0, c, key_begin, key_end, -1, n >= AMX_MIN_ROWS});
       scores += layout.num_heads * rows * group * (key_end - key_begin);
     }
   }
@@ -905,8 +1092,9 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
   }
   std::vector<float> partials(partial_floats);
 
-  const AttendSplit attend_split =
-      attend_split_for(head_size, query.scalar_type() == ScalarType::BFloat16 && !layout.fp8_keys);
+  const bool bf16_scores = query.scalar_type() == ScalarType::BFloat16 && !layout.fp8_keys;
+  const AttendSplit attend_rows = attend_split_for(head_size, bf16_scores, false);
+  const AttendSplit attend_tiles = attend_split_for(head_size, bf16_scores, true);
   const int64_t max_pairs = rows_per_unit * group;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   dispatch_float_types(query.scalar_type(), [&](auto tag) {
@@ -922,6 +1110,7 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
       for (int64_t i = 0; i < num_tasks; ++i) {
         const Task task = tasks[i];
         const Unit& u = units[task.unit];
+        const AttendSplit attend_split = u.tiles ? attend_tiles : attend_rows;
         const int64_t pairs = u.rows * group;
         load_queries(u, group, head_size, q, q_token, q_head, scratch.q.get());
         if (task.split >= 0) {  // this split's state goes to the unit's partials

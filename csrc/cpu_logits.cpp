@@ -384,7 +384,7 @@ struct LogitsKernels {
 #if NVFP4_X86
     // The BF16 dot product multiplies pairs of dimensions, which must not straddle two quant blocks; its key
     // conversion takes 32 dimensions at a time.
-    if (cpu_isa() == Isa::Avx512Bf16 && s.quant_block_size % 2 == 0 && s.head_dim % 32 == 0)
+    if (cpu_isa() >= Isa::Avx512Bf16 && s.quant_block_size % 2 == 0 && s.head_dim % 32 == 0)
       return {convert_keys_avx512_bf16, decode_avx512_bf16, tile_logits_avx512_bf16};
     if (cpu_isa() >= Isa::Avx512) return {convert_keys_avx512, decode_avx512, tile_logits_avx512};
     if (cpu_isa() == Isa::Avx2) return {convert_keys_avx2, decode_avx2, tile_logits_avx2};

@@ -276,7 +276,7 @@ def test_every_fp8_code_is_read_exactly(device):
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "baseline"])
 def test_lower_instruction_sets_match_reference(isa):
-    """This CPU runs the best variant (AVX-512 BF16 here); force each lower one through the same CPU cases."""
+    """This CPU runs the best variant (AVX-512 BF16 or AMX); force each lower one through the same CPU cases."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "VLLM_NVFP4_CPU_ISA": isa}
     cases = "(match_reference or unaligned or every_fp8_code) and not instruction_sets"

@@ -404,4 +404,4 @@ def test_unknown_instruction_set_is_rejected():
             "c = L(64, 4, 1).allocate(1); x = torch.zeros(1, 1, 64); s = torch.ones(1); "
             "o.reshape_and_cache_nvfp4(x, x, c[:, 0], c[:, 1], torch.zeros(1, dtype=torch.long), s, s, False)")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode != 0 and "VLLM_NVFP4_CPU_ISA must be avx512, avx2 or baseline" in result.stderr
+    assert result.returncode != 0 and "VLLM_NVFP4_CPU_ISA must be avx512bf16, avx512, avx2 or baseline" in result.stderr
