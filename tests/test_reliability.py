@@ -381,7 +381,7 @@ def servers(tmp_path_factory):
         # weights and cache in bf16 (vLLM's CPU attention takes no bf16 cache under fp32 weights).
         # The AVX2 cap is for fp32's row invariance only: under it, on a CPU with AMX, vLLM's bf16 attention runs
         # AMX tiles that nothing asked Linux for (oneDNN requests the tile state, the cap stops it) and the worker
-        # dies of SIGILL on its first step.
+        # dies on its first step.
         for dtype, weights in (("nvfp4", "float32"), ("bfloat16", "bfloat16")):
             args = [*SERVE_ARGS, "--kv-cache-dtype", dtype, "--dtype", weights,
                     "--num-gpu-blocks-override", str(KV_CACHE_BLOCKS)]
