@@ -1,6 +1,7 @@
-"""CPU decode attention: the plugin's `nvfp4_paged_attention` against vLLM's own CPU attention, in one run.
+"""CPU attention: the plugin's `nvfp4_paged_attention` against vLLM's own CPU attention, in one run.
 
-Each case is B requests × L cached tokens, one decode query a request, 32 query / 8 KV heads of 128 (`--heads`,
+Each case is B requests × L cached tokens, one decode query a request (with `--prefill`: L causal query rows a
+request, a prompt's prefill over its own L tokens), 32 query / 8 KV heads of 128 (`--heads`,
 `--head-size`; SmolLM2-135M's attention is `--heads 9/3 --head-size 64`), pages of 128 tokens (vLLM's CPU block
 size) in random order. The contenders read the same number of tokens:
 
@@ -17,7 +18,7 @@ caches when its turn comes again); a figure is then that time / N. GB/s is the b
 the time of none of the kernels depends on them.
 
 Options: `--batches 1 8`, `--contexts 2048 8192 32768`, `--heads 32/8`, `--head-size 128`, `--threads N` (default:
-torch's), `--repeats N` (default 9), `--layers N` (default 1), `--append FILE.md` (appends the table with commit,
+torch's), `--repeats N` (default 9), `--layers N` (default 1), `--prefill`, `--append FILE.md` (appends the table with commit,
 machine and date), `--note TEXT`.
 """
 
@@ -41,7 +42,14 @@ def time_call(fn, timings: list[float]) -> None:
     timings.append((time.perf_counter() - start) * 1e3)
 
 
-def nvfp4_case(batch: int, context: int, heads: tuple[int, int, int], g: torch.Generator):
+def queries(batch: int, context: int, q_heads: int, head_size: int, prefill: bool, g: torch.Generator):
+    """bf16 queries, query_start_loc and the rows a request: one (decode) or its whole context (prefill)."""
+    rows = context if prefill else 1
+    query = torch.randn(batch * rows, q_heads, head_size, generator=g).bfloat16()
+    return query, torch.arange(batch + 1, dtype=torch.int32) * rows, rows
+
+
+def nvfp4_case(batch: int, context: int, heads: tuple[int, int, int], prefill: bool, g: torch.Generator):
     q_heads, kv_heads, head_size = heads
     layout = NVFP4PageLayout(head_size, BLOCK_SIZE, kv_heads, hnd=True)
     pages = context // BLOCK_SIZE
@@ -49,19 +57,19 @@ def nvfp4_case(batch: int, context: int, heads: tuple[int, int, int], g: torch.G
     data = torch.randint(0, 256, (cache.numel(),), generator=g, dtype=torch.uint8)
     cache.copy_(torch.where((data & 0x7F) == 0x7F, data - 1, data).view(cache.shape))  # no NaN block scale
     table = torch.randperm(batch * pages, generator=g).view(batch, pages).int()
-    query = torch.randn(batch, q_heads, head_size, generator=g).bfloat16()
+    query, starts, rows = queries(batch, context, q_heads, head_size, prefill, g)
     out = torch.empty_like(query)
-    starts = torch.arange(batch + 1, dtype=torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32)
     one = torch.ones(1)
 
     def run():
         ops.nvfp4_paged_attention(query, cache[:, 0], cache[:, 1], table, starts, lens, one, one, head_size ** -0.5,
-                                  True, False, 1, context, out)
+                                  True, False, rows, context, out)
     return run, batch * context * kv_heads * 2 * layout.full_dim
 
 
-def vllm_case(batch: int, context: int, heads: tuple[int, int, int], kv_cache_dtype: str, g: torch.Generator):
+def vllm_case(batch: int, context: int, heads: tuple[int, int, int], kv_cache_dtype: str, prefill: bool,
+              g: torch.Generator):
     """vLLM's CPU attention as its CPU_ATTN backend calls it, or the reason vLLM refuses the dtype here."""
     from vllm import _custom_ops as vllm_ops
     from vllm import envs
@@ -80,9 +88,8 @@ def vllm_case(batch: int, context: int, heads: tuple[int, int, int], kv_cache_dt
         kv_cache = kv_cache.to(torch.float8_e4m3fn).view(torch.uint8)
     key_cache, value_cache = kv_cache.chunk(2, dim=2)
     table = torch.randperm(batch * pages, generator=g).view(batch, pages).int()
-    query = torch.randn(batch, q_heads, head_size, generator=g).bfloat16()
+    query, starts, _ = queries(batch, context, q_heads, head_size, prefill, g)
     out = torch.empty_like(query)
-    starts = torch.arange(batch + 1, dtype=torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32)
     metadata = vllm_ops.cpu_attn_get_scheduler_metadata(batch, q_heads, kv_heads, head_size, lens, torch.bfloat16,
                                                         starts, True, -1, isa, envs.VLLM_CPU_ATTN_SPLIT_KV,
@@ -109,6 +116,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--layers", type=int, default=1, help="caches a contender runs in a row per timed call")
+    parser.add_argument("--prefill", action="store_true", help="L causal query rows a request instead of one")
     parser.add_argument("--append", help="append the table to this markdown file")
     parser.add_argument("--note", help="a line added under the table")
     args = parser.parse_args()
@@ -128,9 +136,9 @@ def main() -> None:
 
     for batch in args.batches:
         for context in args.contexts:
-            contenders = {"nvfp4": layers(nvfp4_case, batch, context, heads, g)}
+            contenders = {"nvfp4": layers(nvfp4_case, batch, context, heads, args.prefill, g)}
             for name, dtype in (("bf16", "auto"), ("fp8", "fp8")):
-                run, nbytes = layers(vllm_case, batch, context, heads, dtype, g)
+                run, nbytes = layers(vllm_case, batch, context, heads, dtype, args.prefill, g)
                 if isinstance(run, str):
                     refused[name] = run
                 else:
@@ -155,7 +163,7 @@ def main() -> None:
         return f"{ms[name] / ms['nvfp4']:.2f}×" if name in ms else "n/a"
 
     lines = [
-        f"{stamp()}; {args.threads} threads; decode, {q_heads} query / {kv_heads} KV heads, head {args.head_size}, "
+        f"{stamp()}; {args.threads} threads; {'causal prefill' if args.prefill else 'decode'}, {q_heads} query / {kv_heads} KV heads, head {args.head_size}, "
         f"block {BLOCK_SIZE}; median of {args.repeats}"
         + (f", {args.layers} layers' caches in a row, times a layer" if args.layers > 1 else ""),
         "",

@@ -61,6 +61,9 @@ using torch::headeronly::ScalarType;
 constexpr int TILE = 16;            // keys a tile holds, one per vector lane
 constexpr int64_t SPLIT = 512;      // keys a split holds; splits start at multiples of SPLIT
 constexpr int64_t UNIT_PAIRS = 32;  // (query row, head) pairs a unit holds, at least one row
+// Pairs a unit holds in requests of AMX_MIN_ROWS query rows or more (prefill): a unit's pairs share each decoded
+// tile, and a causal prompt decodes each tile once for every unit after it (benchmarks/results/cpu_attention.md).
+constexpr int64_t PREFILL_UNIT_PAIRS = 192;
 // Units of at most SPLIT_UNIT_ROWS rows run one task per split when the batch has fewer than SPLIT_BATCH_UNITS
 // units (decode of a small batch: a unit per KV head leaves threads idle), within PARTIAL_FLOATS_MAX of partials.
 constexpr int64_t SPLIT_UNIT_ROWS = 4;
@@ -1068,11 +1071,13 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
       b.v_scale_delta[r][s] = layout.scale_offset(r, 0, s, swizzle_v_scales) - layout.scale_offset(0, 0, 0, false);
 
   // The plan: units, row blocks from the last (the longest under a causal mask) to the first.
-  const int64_t group = b.group, rows_per_unit = std::max<int64_t>(1, UNIT_PAIRS / group);
+  const int64_t group = b.group;
   std::vector<Unit> units;
-  int64_t scores = 0;
+  int64_t scores = 0, max_pairs = 1;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = starts[r + 1] - starts[r], c = lens[r];
+    const int64_t rows_per_unit = std::max<int64_t>(1, (n >= AMX_MIN_ROWS ? PREFILL_UNIT_PAIRS : UNIT_PAIRS) / group);
+    max_pairs = std::max(max_pairs, std::min(rows_per_unit, n) * group);
     for (int64_t block = (n + rows_per_unit - 1) / rows_per_unit - 1; block >= 0; --block) {
       const int64_t row = block * rows_per_unit, rows = std::min(rows_per_unit, n - row);
       const int64_t pos0 = c - n + row, key_end = causal ? pos0 + rows : c;
@@ -1108,7 +1113,6 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
   const bool bf16_scores = query.scalar_type() == ScalarType::BFloat16 && !layout.fp8_keys;
   const AttendSplit attend_rows = attend_split_for(head_size, bf16_scores, false);
   const AttendSplit attend_tiles = attend_split_for(head_size, bf16_scores, true);
-  const int64_t max_pairs = rows_per_unit * group;
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   dispatch_float_types(query.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
