@@ -46,6 +46,15 @@ NEAR_TIE_NATS = 0.5 + 1e-3
 # oneDNN capped at AVX2 makes vLLM's fp32 CPU linears row-invariant (tests/test_serving.py): a request's tokens do
 # not depend on which others share its batch, so what differs under pressure is the recompute alone.
 SERVE_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def engine_env(weights: str) -> dict[str, str]:
+    """SERVE_ENV for an engine of these weights. The AVX2 cap is for fp32's row invariance only: bf16 GEMMs want
+    AVX-512's bf16 units, and on a CPU with AMX, under the cap, vLLM's bf16 attention runs AMX tiles that nothing
+    asked Linux for (oneDNN requests the tile state, the cap stops it) and the worker dies on its first step."""
+    return SERVE_ENV if weights == "float32" else {k: v for k, v in SERVE_ENV.items() if k != "ONEDNN_MAX_CPU_ISA"}
+
+
 ALLOWED_CPUS = sorted(os.sched_getaffinity(0))
 WHO = ("cat", "robot", "sailor", "baker", "wizard", "farmer", "pilot", "poet",
        "doctor", "painter", "miner", "knight", "gardener", "teacher", "clown", "diver")
@@ -122,10 +131,8 @@ def generate(kv_cache_dtype: str, blocks: int | None, model: Path | None = None,
            "disable_log_stats": False, "enable_prefix_caching": True}
     if blocks is not None:
         llm["num_gpu_blocks_override"] = blocks
-    env = os.environ | SERVE_ENV | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
-                                    "TRANSFORMERS_OFFLINE": "1"}
-    if dtype != "float32":  # the AVX2 cap is for fp32's row invariance; bf16 GEMMs want AVX-512's bf16 units
-        env.pop("ONEDNN_MAX_CPU_ISA")
+    env = os.environ | engine_env(dtype) | {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1",
+                                            "TRANSFORMERS_OFFLINE": "1"}
     if tensor_parallel_size > 1:  # one core a rank, the ranks in processes of vLLM's mp executor
         llm |= {"tensor_parallel_size": tensor_parallel_size, "distributed_executor_backend": "mp"}
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpu) for cpu in ALLOWED_CPUS[:tensor_parallel_size])
@@ -379,15 +386,10 @@ def servers(tmp_path_factory):
         started = {}
         # The NVFP4 server runs fp32 weights (row-invariant, for the exact comparisons); the bf16 one serves its
         # weights and cache in bf16 (vLLM's CPU attention takes no bf16 cache under fp32 weights).
-        # The AVX2 cap is for fp32's row invariance only: under it, on a CPU with AMX, vLLM's bf16 attention runs
-        # AMX tiles that nothing asked Linux for (oneDNN requests the tile state, the cap stops it) and the worker
-        # dies on its first step.
         for dtype, weights in (("nvfp4", "float32"), ("bfloat16", "bfloat16")):
             args = [*SERVE_ARGS, "--kv-cache-dtype", dtype, "--dtype", weights,
                     "--num-gpu-blocks-override", str(KV_CACHE_BLOCKS)]
-            env = SERVE_ENV if weights == "float32" else {k: v for k, v in SERVE_ENV.items()
-                                                         if k != "ONEDNN_MAX_CPU_ISA"}
-            started[dtype] = stack.enter_context(VllmServer(smollm2_path(), args, env=env,
+            started[dtype] = stack.enter_context(VllmServer(smollm2_path(), args, env=engine_env(weights),
                                                             log_path=logs / f"{dtype}.log"))
         yield started
 
