@@ -89,9 +89,10 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_map
              four_over_six: bool = False) -> None:
     """Quantize the first `len(slot_mapping)` tokens of `key`/`value` `[n, kv_heads, head]` into their slots;
     `four_over_six` takes vLLM's "nvfp4_4over6" block scales."""
-    cache_layout(kv_cache, swizzle_v_scales)  # raises naming the rule a malformed cache breaks
+    sides = cache_sides(kv_cache)
+    NVFP4PageLayout.from_caches(*sides, swizzle_v_scales)  # raises naming the rule a malformed cache breaks
     store = kv_ops.reshape_and_cache_nvfp4_4over6 if four_over_six else kv_ops.reshape_and_cache_nvfp4
-    store(key, value, *cache_sides(kv_cache), slot_mapping, k_scale, v_scale, swizzle_v_scales)
+    store(key, value, *sides, slot_mapping, k_scale, v_scale, swizzle_v_scales)
 
 
 class DequantWorkspace:
@@ -149,11 +150,12 @@ def paged_attention(query: torch.Tensor, kv_cache: KVCache, metadata: NVFP4Atten
                                       "are served by the CPU kernel only")
         return paged_attention_reference(query, kv_cache, metadata, scale, k_scale, v_scale, out,
                                          swizzle_v_scales=swizzle_v_scales, workspace=workspace)
-    layout = cache_layout(kv_cache, swizzle_v_scales)
+    sides = cache_sides(kv_cache)
+    layout = NVFP4PageLayout.from_caches(*sides, swizzle_v_scales)
     query_start, seq_lens = _check_batch(query, layout, metadata, out)
     max_query_len = metadata.max_query_len or max((e - s for s, e in zip(query_start, query_start[1:])), default=0)
     max_seq_len = metadata.max_seq_len or max(seq_lens, default=0)
-    kv_ops.nvfp4_paged_attention(query, *cache_sides(kv_cache), metadata.block_table,
+    kv_ops.nvfp4_paged_attention(query, *sides, metadata.block_table,
                                  metadata.query_start_loc, metadata.seq_lens, k_scale, v_scale, scale,
                                  metadata.causal, swizzle_v_scales, max_query_len, max_seq_len, out, sliding_window,
                                  logits_soft_cap, sinks)

@@ -8,8 +8,8 @@ import torch
 from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
 from ..kv_calibration import KEY_FORMATS, KVCalibration, LayerPolicy, load
-from ..attention import NVFP4AttentionMetadata, check_supported, store_kv
-from .spec import FP8_KEYS_KV_CACHE_DTYPE, NVFP4_4OVER6_KV_CACHE_DTYPE, check_nvfp4_kv_cache_dtype
+from ..attention import NVFP4AttentionMetadata, cache_sides, check_supported, store_kv
+from .spec import FP8_KEYS_KV_CACHE_DTYPE, NVFP4_4OVER6_KV_CACHE_DTYPE, check_nvfp4_kv_cache_dtype, page_view
 
 
 def effective_sliding_window(sliding_window: int | None, max_model_len: int | None) -> int | None:
@@ -158,6 +158,19 @@ class LayerPolicyOwner:
             self.policy = LayerKVPolicy.for_layer(self.calibration, self.kv_cache_dtype, layer.layer_name,
                                                   self.num_heads)
         return self.policy
+
+
+class PageSidesOwner:
+    """Both backends' impls: the (key_cache, value_cache) pair over vLLM's view of the layer's cache, made once per
+    cache tensor (vLLM hands the layer the same tensor at every step). Needs `num_kv_heads`."""
+
+    _sides_of: torch.Tensor | None = None
+
+    def _page_sides(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._sides_of is not kv_cache:
+            self._sides = cache_sides(page_view(kv_cache, self.num_kv_heads))
+            self._sides_of = kv_cache
+        return self._sides
 
 
 def core_metadata(common: CommonAttentionMetadata) -> NVFP4AttentionMetadata:

@@ -19,9 +19,9 @@ from vllm.v1.attention.backends.cpu_attn import (CPUAttentionBackend, CPUAttenti
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..attention import MODEL_FEATURES, DequantWorkspace, NVFP4AttentionMetadata, paged_attention
-from .common import (LayerKVPolicy, LayerPolicyOwner, check_nvfp4_layer, core_metadata, engine_fp8_keys,
-                     engine_kv_calibration)
-from .spec import NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view
+from .common import (LayerKVPolicy, LayerPolicyOwner, PageSidesOwner, check_nvfp4_layer, core_metadata,
+                     engine_fp8_keys, engine_kv_calibration)
+from .spec import NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec
 
 logger = init_logger("vllm.nvfp4_plugin.cpu")
 
@@ -86,7 +86,7 @@ class NVFP4CPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
         return core_metadata(common_attn_metadata)
 
 
-class NVFP4CPUAttentionImpl(LayerPolicyOwner, CPUAttentionBackendImpl):
+class NVFP4CPUAttentionImpl(LayerPolicyOwner, PageSidesOwner, CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.nvfp4 = _is_nvfp4(self.kv_cache_dtype)
@@ -107,7 +107,7 @@ class NVFP4CPUAttentionImpl(LayerPolicyOwner, CPUAttentionBackendImpl):
             KeyValueObserver.observe(layer.layer_name, key[:slot_mapping.shape[0]], value[:slot_mapping.shape[0]])
         if not self.nvfp4:
             return super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        self._layer_policy(layer).store(key, value, page_view(kv_cache, self.num_kv_heads), slot_mapping,
+        self._layer_policy(layer).store(key, value, self._page_sides(kv_cache), slot_mapping,
                                         layer._k_scale, layer._v_scale)
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -125,7 +125,7 @@ class NVFP4CPUAttentionImpl(LayerPolicyOwner, CPUAttentionBackendImpl):
             return output
         # The parent keeps vLLM's "off" values: window -1, soft-cap 0; sinks in the model's dtype.
         sinks = self.sinks.to(torch.float32) if self.sinks is not None else None
-        paged_attention(self._layer_policy(layer).query(query), page_view(kv_cache, self.num_kv_heads), attn_metadata,
+        paged_attention(self._layer_policy(layer).query(query), self._page_sides(kv_cache), attn_metadata,
                         self.scale, layer._k_scale, layer._v_scale, output.view(query.shape), workspace=_WORKSPACE,
                         sliding_window=max(self.sliding_window, 0), logits_soft_cap=self.logits_soft_cap, sinks=sinks)
         return output

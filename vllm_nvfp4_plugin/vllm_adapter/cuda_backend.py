@@ -42,9 +42,9 @@ from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaB
                                            FlashInferNVFP4Decoder, KernelBatch, cuda_paged_attention,
                                            dequant_prefill_unavailable_reason, flashinfer_decode_unavailable_reason,
                                            plan_batch, plan_kernel_batch)
-from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, page_view, spec_has_fp8_keys
-from .common import (LayerKVPolicy, LayerPolicyOwner, check_nvfp4_layer, core_metadata, current_max_model_len,
-                     effective_sliding_window, engine_fp8_keys, engine_kv_calibration)
+from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, spec_has_fp8_keys
+from .common import (LayerKVPolicy, LayerPolicyOwner, PageSidesOwner, check_nvfp4_layer, core_metadata,
+                     current_max_model_len, effective_sliding_window, engine_fp8_keys, engine_kv_calibration)
 
 logger = init_logger("vllm.nvfp4_plugin.cuda")
 
@@ -222,7 +222,8 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
                           sm_scale)
 
 
-class NVFP4CudaImpl(LayerPolicyOwner, AttentionImpl[CudaBatch | KernelBatch | NVFP4AttentionMetadata]):
+class NVFP4CudaImpl(LayerPolicyOwner, PageSidesOwner,
+                    AttentionImpl[CudaBatch | KernelBatch | NVFP4AttentionMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
@@ -256,7 +257,7 @@ class NVFP4CudaImpl(LayerPolicyOwner, AttentionImpl[CudaBatch | KernelBatch | NV
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.kv_sharing_target_layer_name is not None:  # the target layer stores the shared cache
             return
-        self._layer_policy(layer).store(key, value, page_view(kv_cache, self.num_kv_heads), slot_mapping,
+        self._layer_policy(layer).store(key, value, self._page_sides(kv_cache), slot_mapping,
                                         layer._k_scale, layer._v_scale, SWIZZLE_V_SCALES)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -269,7 +270,7 @@ class NVFP4CudaImpl(LayerPolicyOwner, AttentionImpl[CudaBatch | KernelBatch | NV
         if attn_metadata is None:  # profiling run
             return output
         sinks = self.sinks.to(torch.float32) if self.sinks is not None else None
-        cuda_paged_attention(self._layer_policy(layer).query(query), page_view(kv_cache, self.num_kv_heads),
+        cuda_paged_attention(self._layer_policy(layer).query(query), self._page_sides(kv_cache),
                              attn_metadata, self.scale, layer._k_scale, layer._v_scale, layer._k_scale_float,
                              layer._v_scale_float, output.view(query.shape), workspace=_WORKSPACE,
                              sliding_window=self.sliding_window, logits_soft_cap=self.logits_soft_cap, sinks=sinks)
