@@ -716,21 +716,11 @@ __device__ __forceinline__ int2 chunk_blocks(const Params& p, const int32_t* tab
   return make_int2(blocks[0], blocks[1]);
 }
 
-// One 16-key run of a block: the byte offsets of its first (key, head) entry's codes and of its scales, relative to
-// the cache side; -1 when the run has no block.
-struct RunBase {
-  int64_t data, scales;
-};
-
-// `row`: data bytes of an entry on that side (d / 2, or d for FP8 keys); `stride`: that side's block stride.
-__device__ __forceinline__ RunBase run_base(const Params& p, int block, int pos, int head, int data_bytes, int d,
-                                            int64_t stride, int row) {
-  if (block < 0) return {-1, -1};
+// The (key, head) entry of a 16-key run's first key inside its block, the same on both cache sides.
+__device__ __forceinline__ int run_entry(const Params& p, int pos, int head) {
   const int offset = block_position(p, pos).y;
-  const int entry = p.layout.hnd ? head * static_cast<int>(p.layout.block_size) + offset
-                                 : offset * static_cast<int>(p.layout.num_heads) + head;
-  const int64_t at = static_cast<int64_t>(block) * stride;
-  return {at + static_cast<int64_t>(entry) * row, at + data_bytes + static_cast<int64_t>(entry) * (d / 16)};
+  return p.layout.hnd ? head * static_cast<int>(p.layout.block_size) + offset
+                      : offset * static_cast<int>(p.layout.num_heads) + head;
 }
 
 // `BYTES` of this lane's own bytes in shared memory as 32-bit words.
@@ -765,11 +755,14 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
   for (int b = 0; b < 2; ++b) {
     const int run = chunk_start + 16 * b;
     const int block = b ? blocks.y : blocks.x;
-    const RunBase k_base = run_base(p, block, run, head, data_bytes, D, p.key_block_stride, S::K_ROW);
-    const RunBase base = run_base(p, block, run, head, data_bytes, D, p.value_block_stride, D / 2);
-    const uint8_t* k_data = p.key_cache + k_base.data + lane.k_data;
-    const uint8_t* k_scales = p.key_cache + k_base.scales + lane.k_scales;
-    const uint8_t* v_data = p.value_cache + base.data + lane.v_data;
+    // A run without a block reads nothing: its addresses are formed from block 0 and never used.
+    const int entry = run_entry(p, run, head);
+    const uint8_t* k_block = p.key_cache + static_cast<int64_t>(max(block, 0)) * p.key_block_stride;
+    const uint8_t* v_block = p.value_cache + static_cast<int64_t>(max(block, 0)) * p.value_block_stride;
+    const uint8_t* k_data = k_block + entry * S::K_ROW + lane.k_data;
+    const uint8_t* k_scales = k_block + data_bytes + entry * (D / 16) + lane.k_scales;
+    const uint8_t* v_data = v_block + entry * (D / 2) + lane.v_data;
+    const uint8_t* v_scales = v_block + data_bytes + entry * (D / 16);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int pos = run + sigma + 2 * r;
@@ -796,7 +789,7 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
 #pragma unroll
     for (int q = 0; q < S::V_GROUPS; ++q)
       copy_async<4>(slot + L::V_SCALES + ((b * S::V_GROUPS + q) * WARP + lane_id) * 4,
-                    scales_read ? p.value_cache + base.scales + lane.v_scales[q] : p.value_cache, scales_read);
+                    scales_read ? v_scales + lane.v_scales[q] : p.value_cache, scales_read);
   }
 }
 
