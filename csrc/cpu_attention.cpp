@@ -853,7 +853,7 @@ struct Amx {
 
   // 2^x (Cephes' exp2f: x = n + f, |f| <= 1/2, 1 + f · P(f) of degree 6, times 2^n by vscalefps), within 2 ulp;
   // 0 far below 2^-126, as the thread flushes denormals. Half the instructions of exp_nonpositive.
-  NVFP4_TARGET_AMX static inline f32x16 exp2(f32x16 x) {
+  NVFP4_TARGET_AMX static inline f32x16 pow2(f32x16 x) {
     const __m512 v = __builtin_bit_cast(__m512, x);
     const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const f32x16 f = __builtin_bit_cast(f32x16, _mm512_sub_ps(v, n));
@@ -865,6 +865,14 @@ struct Amx {
     y = F::apply(y, f, broadcast(6.931472028550421e-1f));
     y = F::apply(y, f, broadcast(1.0f));
     return __builtin_bit_cast(f32x16, _mm512_scalef_ps(__builtin_bit_cast(__m512, y), n));
+  }
+
+  // Lane i: whether pair i, which sees keys [begin[i], end[i]), sees `key`.
+  NVFP4_TARGET_AMX static inline u32x16 seen(i32x16 begin, i32x16 end, int64_t key) {
+    const __m512i k = _mm512_set1_epi32(static_cast<int32_t>(key));
+    const __mmask16 inside = _mm512_cmpge_epi32_mask(k, __builtin_bit_cast(__m512i, begin)) &
+                             _mm512_cmplt_epi32_mask(k, __builtin_bit_cast(__m512i, end));
+    return __builtin_bit_cast(u32x16, _mm512_movm_epi32(inside));
   }
 
   // Tile t of the split as keys [TILE][D] (bf16_row's order) and values [D / 16][16][TILE]: block n, dimension d
@@ -1005,20 +1013,16 @@ struct Amx {
       // Two passes over the group's tiles, each a software pipeline in which the tile products of one tile run
       // while the vector units work on another, so that neither waits for the other's results to reach memory.
       // First the scores (tile t + 2's product, tile t's logits and max, in log2 units); then, against each pair's
-      // max over the split, the probabilities of tile t and the sums of tile t - 1.
+      // max over the split, the probabilities of tile t and the sums of tile t - 1. A tile that some lane sees only
+      // in part is masked key by key.
       const int64_t key_first = group_begin - group_begin % TILE, tiles = (group_end - key_first + TILE - 1) / TILE;
       float* logits = scratch.split_logits.get();  // [tiles][TILE][16], the scores in place
-      // Keys past what some lane sees: lane i of row j is whether pair p0 + i sees key key0 + j.
-      const auto seen = [&](int64_t key0, int j) {
-        const i32x16 key = i32x16{} + static_cast<int32_t>(key0 + j);
-        return __builtin_bit_cast(u32x16, (key >= seen_begin) & (key < seen_end));
-      };
-      const auto masked = [&](int64_t key0) { return key0 < all_begin || key0 + TILE > all_end; };
       for (int64_t t = 0; t < std::min<int64_t>(2, tiles); ++t)
         tile_scores(keys + (key_first + t * TILE - tile_begin) * D, logits + t * TILE * 16);
       f32x16 top = broadcast(NEG_INF);  // log2 units
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t key0 = key_first + t * TILE;
+        const bool masked = key0 < all_begin || key0 + TILE > all_end;
         if (t + 2 < tiles) tile_scores(keys + (key0 + 2 * TILE - tile_begin) * D, logits + (t + 2) * TILE * 16);
         for (int j = 0; j < TILE; ++j) {
           float* row = logits + (t * TILE + j) * 16;
@@ -1027,8 +1031,9 @@ struct Amx {
             logit = soft_cap<Isa::Amx>(load(row) * b.score_scale, b.soft_cap, inverse_cap) * LOG2E;
           else
             logit = load(row) * log2_scale;
-          if (masked(key0))
-            logit = simd::as_f32(simd::select(seen(key0, j), simd::as_u32(logit), simd::as_u32(broadcast(NEG_INF))));
+          if (masked)
+            logit = simd::as_f32(simd::select(seen(seen_begin, seen_end, key0 + j), simd::as_u32(logit),
+                                              simd::as_u32(broadcast(NEG_INF))));
           top = simd::max(top, logit);
           store(logit, row);
         }
@@ -1037,11 +1042,12 @@ struct Amx {
       f32x16 total = {};
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t key0 = key_first + t * TILE;
+        const bool masked = key0 < all_begin || key0 + TILE > all_end;
         // P^T row j: key j's probability of each pair as its bf16 truncation (high half) plus the rest rounded to
         // bf16 (low half), together within 2^-16 of it. Keys a pair does not see (its logit -inf) have 0.
         for (int j = 0; j < TILE; ++j) {
-          f32x16 p = exp2(load(logits + (t * TILE + j) * 16) - top);
-          if (masked(key0)) p = simd::as_f32(simd::as_u32(p) & seen(key0, j));
+          f32x16 p = pow2(load(logits + (t * TILE + j) * 16) - top);
+          if (masked) p = simd::as_f32(simd::as_u32(p) & seen(seen_begin, seen_end, key0 + j));
           total += p;
           const u32x16 high = simd::as_u32(p) & 0xFFFF0000u;
           const __m256bh low = _mm512_cvtneps_pbh(__builtin_bit_cast(__m512, p - simd::as_f32(high)));
