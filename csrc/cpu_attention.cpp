@@ -164,7 +164,8 @@ struct Scratch {
   std::unique_ptr<float[]> alpha;          // [pairs]: the factor that rescales a pair's sums for this tile
   std::unique_ptr<uint16_t[]> prob_parts;  // AMX: [16][2][TILE] bf16 high and low parts of 16 pairs' probabilities
   std::unique_ptr<float[]> tile_sums;      // AMX: [16][D] 16 pairs' weighted values of one tile
-  // AMX, head 64: one split's keys and values decoded to bf16 (Amx::decode_tile), allocated on first use.
+  // AMX, head 64, allocated on first use: one split's keys and values decoded to bf16 (Amx::decode_tile), and a
+  // group of 16 pairs' logits over the split.
   std::unique_ptr<uint16_t[]> split_keys;
   std::unique_ptr<uint32_t[]> split_values;
   std::unique_ptr<float[]> split_logits;
