@@ -20,7 +20,11 @@
 // as AMX-BF16 code: scores are tile products of the bf16 queries and the keys decoded to bf16 (e2m1 · SF is a bf16
 // value), so every product is exact; the weighted sums are tile products of the values decoded to bf16 and each
 // probability split into a bf16 high part plus a bf16 low part (within 2^-16 of it), float32 sums. Each output
-// element of a tile product is its own pair's sum, whatever the tile's other rows hold. Requests of fewer than
+// element of a tile product is its own pair's sum, whatever the tile's other rows hold. For head 64 the AMX code
+// takes a split at a time (Amx::attend_split): the split's tiles are decoded once, and each group of 16 pairs takes
+// all its scores first, keys by pairs, so that a pair's max over the split is a vector maximum, then its
+// probabilities against that max (2^x of logits in log2 units) and their weighted sums in tiles that hold them for
+// the whole split, never rescaled. Requests of fewer than
 // AMX_MIN_ROWS query rows take the AVX512-BF16 code on such a CPU (tiles made decode slower), so there a decode row,
 // or a chunk that short, matches the same row in a longer step to the accuracy contract (rel-L2 1e-3), not byte
 // for byte; the other guarantees above hold for every variant.
@@ -76,6 +80,7 @@ constexpr int64_t PARALLEL_MIN_SCORES = int64_t{1} << 12;
 // AMX: a tile product of 16 pairs costs about as much for 3 pairs, and decode ran up to 1.6x slower on tiles.
 constexpr int64_t AMX_MIN_ROWS = 16;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;
 
 #define NVFP4_INLINE inline __attribute__((always_inline))
 
@@ -159,6 +164,11 @@ struct Scratch {
   std::unique_ptr<float[]> alpha;          // [pairs]: the factor that rescales a pair's sums for this tile
   std::unique_ptr<uint16_t[]> prob_parts;  // AMX: [16][2][TILE] bf16 high and low parts of 16 pairs' probabilities
   std::unique_ptr<float[]> tile_sums;      // AMX: [16][D] 16 pairs' weighted values of one tile
+  // AMX, head 64, allocated on first use: one split's keys and values decoded to bf16 (Amx::decode_tile), and a
+  // group of 16 pairs' logits over the split.
+  std::unique_ptr<uint16_t[]> split_keys;
+  std::unique_ptr<uint32_t[]> split_values;
+  std::unique_ptr<float[]> split_logits;
   State split, total;
 
   Scratch(int64_t pairs, int64_t head_size)
@@ -725,7 +735,7 @@ struct Amx {
   static void configure() {
     Config config = {};
     config.palette = 1;
-    for (int tile = 0; tile < 6; ++tile) {
+    for (int tile = 0; tile < 8; ++tile) {
       config.rows[tile] = 16;
       config.bytes_per_row[tile] = 64;
     }
@@ -753,19 +763,24 @@ struct Amx {
   NVFP4_TARGET_AMX static inline u16x32 value_row(const TileTokens& t, int j, int c) {
     const uint8_t* scales = t.value_scales[j];
     const int64_t* delta = t.value_delta[j];
-    const f32x16 first = simd::E2M1_VALUES * E4M3.value[scales[delta[2 * c]]];
-    const f32x16 second = simd::E2M1_VALUES * E4M3.value[scales[delta[2 * c + 1]]];
+    return bf16_row(t.value_data[j] + 16 * c, E4M3.value[scales[delta[2 * c]]], E4M3.value[scales[delta[2 * c + 1]]]);
+  }
+  // The 32 dimensions whose codes are the 16 bytes at `codes` (the low nibbles, then the high ones), times the scale
+  // of their group (the first 8 bytes' or the last 8 bytes').
+  NVFP4_TARGET_AMX static inline u16x32 bf16_row(const uint8_t* codes, float first_scale, float second_scale) {
+    const f32x16 first = simd::E2M1_VALUES * first_scale;
+    const f32x16 second = simd::E2M1_VALUES * second_scale;
     const u16x32 table = __builtin_shufflevector(__builtin_bit_cast(u16x32, first), __builtin_bit_cast(u16x32, second),
                                                  1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37,
                                                  39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63);
     simd::u8x16 bytes;
-    std::memcpy(&bytes, t.value_data[j] + 16 * c, sizeof bytes);
-    const simd::u16x16 codes = __builtin_convertvector(bytes, simd::u16x16);
+    std::memcpy(&bytes, codes, sizeof bytes);
+    const simd::u16x16 nibbles = __builtin_convertvector(bytes, simd::u16x16);
     const u16x32 second_group = {0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16,
                                  0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
     const u16x32 index =
-        __builtin_shufflevector(codes & 0xF, codes >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17,
-                                18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) |
+        __builtin_shufflevector(nibbles & 0xF, nibbles >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                                17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) |
         second_group;
     return __builtin_bit_cast(
         u16x32, _mm512_permutexvar_epi16(__builtin_bit_cast(__m512i, index), __builtin_bit_cast(__m512i, table)));
@@ -824,6 +839,239 @@ struct Amx {
         const f32x16 alpha = broadcast(scratch.alpha[p + i]);
         for (int c = 0; c < D / 16; ++c)
           store(Fma<Isa::Amx>::apply(load(acc + 16 * c), alpha, load(tile_sum + 16 * c)), acc + 16 * c);
+      }
+    }
+  }
+
+  // --- head 64: a split at a time, the weighted sums of 16 pairs held in tiles -------------------------------
+  // The split's tiles are decoded once (decode_tile), then each group of 16 pairs runs over them with transposed
+  // products: scores S^T = K · Q^T (16 keys x 16 pairs, tiles 3 and 1-2 into 0), so that a key's scores of the 16
+  // pairs are one vector and the softmax needs no horizontal step, and sums O^T = V^T · P^T (16 dimensions x 16
+  // pairs, tiles 3 and 0 into 4-7, which keep them for the whole split). P^T row j holds key j's probability of
+  // each pair as a bf16 high part and a bf16 low part, and V^T holds each value twice, so that one product adds
+  // both. The group's scores of the whole split are taken first, so that each pair's probabilities are taken
+  // against its max over the split and the sums are never rescaled; what a pair gets depends on its own keys only.
+
+  // 2^x (Cephes' exp2f: x = n + f, |f| <= 1/2, 1 + f · P(f) of degree 6, times 2^n by vscalefps), within 2 ulp;
+  // 0 far below 2^-126, as the thread flushes denormals. Half the instructions of exp_nonpositive.
+  NVFP4_TARGET_AMX static inline f32x16 pow2(f32x16 x) {
+    const __m512 v = __builtin_bit_cast(__m512, x);
+    const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const f32x16 f = __builtin_bit_cast(f32x16, _mm512_sub_ps(v, n));
+    using F = Fma<Isa::Amx>;
+    f32x16 y = F::apply(broadcast(1.535336188319500e-4f), f, broadcast(1.339887440266574e-3f));
+    y = F::apply(y, f, broadcast(9.618437357674640e-3f));
+    y = F::apply(y, f, broadcast(5.550332471162809e-2f));
+    y = F::apply(y, f, broadcast(2.402264791363012e-1f));
+    y = F::apply(y, f, broadcast(6.931472028550421e-1f));
+    y = F::apply(y, f, broadcast(1.0f));
+    return __builtin_bit_cast(f32x16, _mm512_scalef_ps(__builtin_bit_cast(__m512, y), n));
+  }
+
+  // Lane i: whether pair i, which sees keys [begin[i], end[i]), sees `key`.
+  NVFP4_TARGET_AMX static inline u32x16 seen(i32x16 begin, i32x16 end, int64_t key) {
+    const __m512i k = _mm512_set1_epi32(static_cast<int32_t>(key));
+    const __mmask16 inside = _mm512_cmpge_epi32_mask(k, __builtin_bit_cast(__m512i, begin)) &
+                             _mm512_cmplt_epi32_mask(k, __builtin_bit_cast(__m512i, end));
+    return __builtin_bit_cast(u32x16, _mm512_movm_epi32(inside));
+  }
+
+  // Tile t of the split as keys [TILE][D] (bf16_row's order) and values [D / 16][16][TILE]: block n, dimension d
+  // (decode_values' order), key j twice; absent keys are 0.
+  template <int D>
+  NVFP4_TARGET_AMX static inline void decode_tile(const TileTokens& t, uint16_t* keys, uint32_t* values) {
+    for (int c = 0; c < D / 32; ++c) {
+      u32x16 words[2][TILE];  // even and odd dimensions: key j's values, each twice
+      for (int j = 0; j < TILE; ++j) {
+        u16x32 key = {}, value = {};
+        if (t.first <= j && j < t.n) {
+          key = bf16_row(t.key_data[j] + 16 * c, E4M3.value[t.key_scales[j][2 * c]],
+                         E4M3.value[t.key_scales[j][2 * c + 1]]);
+          value = value_row(t, j, c);
+        }
+        std::memcpy(keys + j * D + 32 * c, &key, sizeof key);
+        for (int h = 0; h < 2; ++h) {
+          simd::u16x16 half;
+          std::memcpy(&half, reinterpret_cast<const uint16_t*>(&value) + 16 * h, sizeof half);
+          const u32x16 word = __builtin_convertvector(half, u32x16);
+          words[h][j] = word | word << 16;
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        transpose_words<16>(words[h]);
+        std::memcpy(values + (2 * c + h) * 16 * TILE, words[h], sizeof words[h]);
+      }
+    }
+  }
+
+  // queries[c][r][i]: dimensions 2r and 2r + 1 of chunk c (32 dimensions in bf16_row's order) of pair i, for
+  // `count` pairs of float32 queries that are bf16 values; zero for pairs past them.
+  template <int D>
+  NVFP4_TARGET_AMX static inline void transpose_queries(const float* q, int64_t count, uint32_t* queries) {
+    for (int c = 0; c < D / 32; ++c) {
+      u32x16 words[16];
+      for (int i = 0; i < 16; ++i) {
+        words[i] = u32x16{};
+        if (i >= count) continue;
+        const u16x32 low = __builtin_bit_cast(u16x32, load(q + i * D + 32 * c));
+        const u16x32 high = __builtin_bit_cast(u16x32, load(q + i * D + 32 * c + 16));
+        // the high halves of dimensions 0, 2, ..., 30, then of 1, 3, ..., 31
+        words[i] = __builtin_bit_cast(
+            u32x16, __builtin_shufflevector(low, high, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 3,
+                                            7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63));
+      }
+      transpose_words<16>(words);
+      std::memcpy(queries + c * 16 * 16, words, sizeof words);
+    }
+  }
+
+  // Tile 0 = S^T of a tile's 16 keys (keys [TILE][64]) and the 16 pairs of tiles 1 and 2, stored to `scores`.
+  NVFP4_TARGET_AMX static inline void tile_scores(const uint16_t* keys, float* scores) {
+    NVFP4_TILE_ZERO(0);
+    NVFP4_TILE_LOAD(3, keys, 2 * 64);
+    NVFP4_TILE_DOT(0, 3, 1);
+    NVFP4_TILE_LOAD(3, keys + 32, 2 * 64);
+    NVFP4_TILE_DOT(0, 3, 2);
+    NVFP4_TILE_STORE(0, scores, 64);
+  }
+  // Tiles 4-7 += V^T · P^T of a tile: values [4][16][TILE] and P^T rows `probs` [TILE][16].
+  NVFP4_TARGET_AMX static inline void tile_sums(const uint32_t* probs, const uint32_t* values) {
+    NVFP4_TILE_LOAD(0, probs, 64);
+    NVFP4_TILE_LOAD(3, values, 64);
+    NVFP4_TILE_DOT(4, 3, 0);
+    NVFP4_TILE_LOAD(3, values + 256, 64);
+    NVFP4_TILE_DOT(5, 3, 0);
+    NVFP4_TILE_LOAD(3, values + 512, 64);
+    NVFP4_TILE_DOT(6, 3, 0);
+    NVFP4_TILE_LOAD(3, values + 768, 64);
+    NVFP4_TILE_DOT(7, 3, 0);
+  }
+
+  // One split of one unit for head 64 (attend_split_impl's contract).
+  template <int D>
+  NVFP4_TARGET_AMX static inline void attend_split(const Batch& b, const Unit& u, int64_t split, Scratch& scratch) {
+    static_assert(D == 64, "four tiles of sums hold 64 dimensions");
+    const int64_t group = b.group, pairs = u.rows * group;
+    State& st = scratch.split;
+    std::fill(st.m.get(), st.m.get() + pairs, NEG_INF);
+    std::fill(st.l.get(), st.l.get() + pairs, 0.0f);
+    const int64_t key_begin = std::max(split * SPLIT, u.key_begin), key_end = std::min((split + 1) * SPLIT, u.key_end);
+    const int64_t tile_begin = key_begin - key_begin % TILE;
+    if (!scratch.split_keys) {
+      scratch.split_keys.reset(new uint16_t[SPLIT * D]);
+      scratch.split_values.reset(new uint32_t[SPLIT * D]);
+      scratch.split_logits.reset(new float[SPLIT * 16]);
+    }
+    uint16_t* keys = scratch.split_keys.get();
+    uint32_t* values = scratch.split_values.get();
+    {
+      TileCursor cursor(b, u, key_begin);
+      TileTokens tiles[2];  // this tile's keys, and the next one's, fetched ahead
+      cursor.next(static_cast<int>(key_begin - tile_begin),
+                  static_cast<int>(std::min<int64_t>(TILE, key_end - tile_begin)), tiles[0]);
+      for (int64_t key0 = tile_begin, i = 0; key0 < key_end; key0 += TILE, i ^= 1) {
+        if (key0 + TILE < key_end)
+          cursor.next(0, static_cast<int>(std::min<int64_t>(TILE, key_end - key0 - TILE)), tiles[i ^ 1]);
+        decode_tile<D>(tiles[i], keys + (key0 - tile_begin) * D, values + (key0 - tile_begin) * D);
+      }
+    }
+    const float inverse_cap = b.soft_cap > 0.0f ? 1.0f / b.soft_cap : 0.0f;
+    const float log2_scale = b.score_scale * LOG2E;
+    const int64_t end_pair = u.end_row_seeing(b, key_end - 1) * group;
+    for (int64_t p0 = u.first_row_seeing(b, key_begin) * group; p0 < end_pair; p0 += 16) {
+      const int64_t count = std::min<int64_t>(16, end_pair - p0);
+      // Pair p0 + i sees keys [begin[i], end[i]) of the split; lanes past `count` see none. The group reads tiles
+      // [group_begin, group_end) and masks those that some lane sees only in part: all but [all_begin, all_end).
+      alignas(64) int32_t begin[16], end[16];
+      int64_t group_begin = key_end, group_end = key_begin, all_begin = key_begin, all_end = key_end;
+      for (int i = 0; i < 16; ++i) {
+        begin[i] = end[i] = static_cast<int32_t>(key_begin);
+        if (i < count) {
+          const int64_t row = (p0 + i) / group;
+          begin[i] = static_cast<int32_t>(std::clamp(u.visible_begin(b, row), key_begin, key_end));
+          end[i] = static_cast<int32_t>(std::clamp(u.visible_end(b, row), key_begin, key_end));
+        }
+        if (begin[i] < end[i]) {
+          group_begin = std::min<int64_t>(group_begin, begin[i]);
+          group_end = std::max<int64_t>(group_end, end[i]);
+        }
+        all_begin = std::max<int64_t>(all_begin, begin[i]);
+        all_end = std::min<int64_t>(all_end, end[i]);
+      }
+      if (group_begin >= group_end) continue;
+      i32x16 seen_begin, seen_end;
+      std::memcpy(&seen_begin, begin, sizeof seen_begin);
+      std::memcpy(&seen_end, end, sizeof seen_end);
+
+      alignas(64) uint32_t queries[D / 2 * 16];
+      transpose_queries<D>(scratch.q.get() + p0 * D, count, queries);
+      NVFP4_TILE_LOAD(1, queries, 64);
+      NVFP4_TILE_LOAD(2, queries + 16 * 16, 64);
+      NVFP4_TILE_ZERO(4);
+      NVFP4_TILE_ZERO(5);
+      NVFP4_TILE_ZERO(6);
+      NVFP4_TILE_ZERO(7);
+      // Two passes over the group's tiles, each a software pipeline in which the tile products of one tile run
+      // while the vector units work on another, so that neither waits for the other's results to reach memory.
+      // First the scores (tile t + 2's product, tile t's logits and max, in log2 units); then, against each pair's
+      // max over the split, the probabilities of tile t and the sums of tile t - 1. A tile that some lane sees only
+      // in part is masked key by key.
+      const int64_t key_first = group_begin - group_begin % TILE, tiles = (group_end - key_first + TILE - 1) / TILE;
+      float* logits = scratch.split_logits.get();  // [tiles][TILE][16], the scores in place
+      for (int64_t t = 0; t < std::min<int64_t>(2, tiles); ++t)
+        tile_scores(keys + (key_first + t * TILE - tile_begin) * D, logits + t * TILE * 16);
+      f32x16 top = broadcast(NEG_INF);  // log2 units
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t key0 = key_first + t * TILE;
+        const bool masked = key0 < all_begin || key0 + TILE > all_end;
+        if (t + 2 < tiles) tile_scores(keys + (key0 + 2 * TILE - tile_begin) * D, logits + (t + 2) * TILE * 16);
+        for (int j = 0; j < TILE; ++j) {
+          float* row = logits + (t * TILE + j) * 16;
+          f32x16 logit;  // in log2 units
+          if (b.soft_cap > 0.0f)
+            logit = soft_cap<Isa::Amx>(load(row) * b.score_scale, b.soft_cap, inverse_cap) * LOG2E;
+          else
+            logit = load(row) * log2_scale;
+          if (masked)
+            logit = simd::as_f32(simd::select(seen(seen_begin, seen_end, key0 + j), simd::as_u32(logit),
+                                              simd::as_u32(broadcast(NEG_INF))));
+          top = simd::max(top, logit);
+          store(logit, row);
+        }
+      }
+      alignas(64) uint32_t probs[2][TILE * 16];
+      f32x16 total = {};
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t key0 = key_first + t * TILE;
+        const bool masked = key0 < all_begin || key0 + TILE > all_end;
+        // P^T row j: key j's probability of each pair as its bf16 truncation (high half) plus the rest rounded to
+        // bf16 (low half), together within 2^-16 of it. Keys a pair does not see (its logit -inf) have 0.
+        for (int j = 0; j < TILE; ++j) {
+          f32x16 p = pow2(load(logits + (t * TILE + j) * 16) - top);
+          if (masked) p = simd::as_f32(simd::as_u32(p) & seen(seen_begin, seen_end, key0 + j));
+          total += p;
+          const u32x16 high = simd::as_u32(p) & 0xFFFF0000u;
+          const __m256bh low = _mm512_cvtneps_pbh(__builtin_bit_cast(__m512, p - simd::as_f32(high)));
+          const u32x16 row = high | __builtin_bit_cast(u32x16, _mm512_cvtepu16_epi32(__builtin_bit_cast(__m256i, low)));
+          std::memcpy(probs[t % 2] + 16 * j, &row, sizeof row);
+        }
+        if (t > 0) tile_sums(probs[(t - 1) % 2], values + (key0 - TILE - tile_begin) * D);
+      }
+      tile_sums(probs[(tiles - 1) % 2], values + (key_first + (tiles - 1) * TILE - tile_begin) * D);
+      alignas(64) float sums[D * 16];
+      NVFP4_TILE_STORE(4, sums, 64);
+      NVFP4_TILE_STORE(5, sums + 256, 64);
+      NVFP4_TILE_STORE(6, sums + 512, 64);
+      NVFP4_TILE_STORE(7, sums + 768, 64);
+      for (int n = 0; n < D / 16; ++n) {
+        u32x16 words[16];
+        std::memcpy(words, sums + 256 * n, sizeof words);
+        transpose_words<16>(words);
+        for (int64_t i = 0; i < count; ++i) std::memcpy(st.acc.get() + (p0 + i) * D + 16 * n, &words[i], 64);
+      }
+      for (int64_t i = 0; i < count; ++i) {
+        st.m[p0 + i] = top[i] * LN2;
+        st.l[p0 + i] = total[i];
       }
     }
   }
@@ -934,7 +1182,10 @@ template <int D>
 NVFP4_TARGET_AMX __attribute__((flatten)) void attend_split_amx(const Batch& b, const Unit& u, int64_t s,
                                                                 Scratch& scratch) {
   Amx::configure();
-  attend_split_impl<Isa::Amx, D>(b, u, s, scratch);
+  if constexpr (D == 64)
+    Amx::attend_split<D>(b, u, s, scratch);
+  else
+    attend_split_impl<Isa::Amx, D>(b, u, s, scratch);
   Amx::release();
 }
 #endif

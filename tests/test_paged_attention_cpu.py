@@ -340,13 +340,14 @@ def test_request_alone_equals_request_in_a_large_batch(features):
     assert same_bytes(alone.run(), case.run()[:1])
 
 
+@pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("features", FEATURES + [dict(window=1), dict(window=530)], ids=["plain", "features",
                                                                                          "window 1", "window 530"])
-def test_chunks_and_decodes_equal_the_whole_prompt(features):
+def test_chunks_and_decodes_equal_the_whole_prompt(features, head_size):
     """A prompt in one step, the same prompt in chunks over its cached prefix, and its last row as a decode (with a
     window, each starts reading at its own first row's window: other tiles and splits, the same bytes). On a CPU with
     AMX a decode takes the AVX512-BF16 code and the prompt the tiles: the same values to the contract's rel-L2."""
-    case = Case([(700, 700)], seed=12, **features)
+    case = Case([(700, 700)], head_size=head_size, seed=12, **features)
     whole = case.run()
     case.check(whole)
     for lo, hi in [(0, 250), (250, 513), (513, 699), (699, 700)]:
@@ -362,9 +363,11 @@ THREADS_SCRIPT = """
 import pickle, sys, torch
 import test_paged_attention_cpu as t
 outs = []
-for features in ({}, dict(window=333, soft_cap=4.0, sinks=True), dict(fp8_keys=True)):
-    case = t.Case([(1, 3000), (1, 70), (300, 900), (2, 5000)], kv_heads=2, group=4, seed=13, **features)
-    outs.append(case.run().view(torch.int16).tolist())
+for head_size in (64, 128):
+    for features in ({}, dict(window=333, soft_cap=4.0, sinks=True), dict(fp8_keys=True)):
+        case = t.Case([(1, 3000), (1, 70), (300, 900), (2, 5000)], head_size=head_size, kv_heads=2, group=4, seed=13,
+                      **features)
+        outs.append(case.run().view(torch.int16).tolist())
 sys.stdout.buffer.write(pickle.dumps(outs))
 """
 
