@@ -476,6 +476,50 @@ struct TileCursor {
   }
 };
 
+// The keys [begin, end) of one split of a unit.
+struct KeyRange {
+  int64_t begin, end;
+};
+
+// Starts a split: each pair's max at -inf and sum at 0 (the caller sets its sums of values); returns the split's keys.
+NVFP4_INLINE KeyRange start_split(const Batch& b, const Unit& u, int64_t split, State& st) {
+  const int64_t pairs = u.rows * b.group;
+  std::fill(st.m.get(), st.m.get() + pairs, NEG_INF);
+  std::fill(st.l.get(), st.l.get() + pairs, 0.0f);
+  return {std::max(split * SPLIT, u.key_begin), std::min((split + 1) * SPLIT, u.key_end)};
+}
+
+// The tiles over keys [key_begin, key_end), each one's keys fetched while the tile before it is worked on:
+//   for (TileWalk walk(b, u, key_begin, key_end); walk.next();) ...
+// A walker, not a function taking each tile's work as a lambda: a lambda's body is compiled without the caller's
+// target attribute, and GCC turned the AVX-512 and AMX helpers in one into scalar code.
+class TileWalk {
+ public:
+  NVFP4_INLINE TileWalk(const Batch& b, const Unit& u, int64_t key_begin, int64_t key_end)
+      : cursor(b, u, key_begin), end(key_end), key(key_begin - key_begin % TILE) {
+    cursor.next(static_cast<int>(key_begin - key), static_cast<int>(std::min<int64_t>(TILE, key_end - key)), tiles[0]);
+    key -= TILE;
+  }
+
+  // Moves to the next tile and fetches the keys of the one after it; false past the last tile.
+  NVFP4_INLINE bool next() {
+    key += TILE;
+    if (key >= end) return false;
+    i ^= 1;
+    if (key + TILE < end) cursor.next(0, static_cast<int>(std::min<int64_t>(TILE, end - key - TILE)), tiles[i ^ 1]);
+    return true;
+  }
+
+  NVFP4_INLINE const TileTokens& tokens() const { return tiles[i]; }
+  NVFP4_INLINE int64_t key0() const { return key; }  // the tile's first key, a multiple of TILE
+
+ private:
+  TileCursor cursor;
+  TileTokens tiles[2];  // this tile's keys, and the next one's
+  int64_t end, key;
+  int i = 1;  // tiles[i] is this tile
+};
+
 // keys[d][j] = e2m1 of dimension d of key j (zeros outside lanes [first, n)) and scales[s][j] = its block scale s.
 // Key j's 8 code bytes per 16 dimensions, read as 32-bit words (word w: dimensions 8w..8w+7, low nibble first), are
 // transposed so that word w of all keys is one vector; nibble e of it is dimension 8w + e of the 16 keys.
@@ -951,11 +995,9 @@ struct Amx {
   template <int D>
   NVFP4_TARGET_AMX static inline void attend_split(const Batch& b, const Unit& u, int64_t split, Scratch& scratch) {
     static_assert(D == 64, "four tiles of sums hold 64 dimensions");
-    const int64_t group = b.group, pairs = u.rows * group;
+    const int64_t group = b.group;
     State& st = scratch.split;
-    std::fill(st.m.get(), st.m.get() + pairs, NEG_INF);
-    std::fill(st.l.get(), st.l.get() + pairs, 0.0f);
-    const int64_t key_begin = std::max(split * SPLIT, u.key_begin), key_end = std::min((split + 1) * SPLIT, u.key_end);
+    const auto [key_begin, key_end] = start_split(b, u, split, st);
     const int64_t tile_begin = key_begin - key_begin % TILE;
     if (!scratch.split_keys) {
       scratch.split_keys.reset(new uint16_t[SPLIT * D]);
@@ -964,16 +1006,9 @@ struct Amx {
     }
     uint16_t* keys = scratch.split_keys.get();
     uint32_t* values = scratch.split_values.get();
-    {
-      TileCursor cursor(b, u, key_begin);
-      TileTokens tiles[2];  // this tile's keys, and the next one's, fetched ahead
-      cursor.next(static_cast<int>(key_begin - tile_begin),
-                  static_cast<int>(std::min<int64_t>(TILE, key_end - tile_begin)), tiles[0]);
-      for (int64_t key0 = tile_begin, i = 0; key0 < key_end; key0 += TILE, i ^= 1) {
-        if (key0 + TILE < key_end)
-          cursor.next(0, static_cast<int>(std::min<int64_t>(TILE, key_end - key0 - TILE)), tiles[i ^ 1]);
-        decode_tile<D>(tiles[i], keys + (key0 - tile_begin) * D, values + (key0 - tile_begin) * D);
-      }
+    for (TileWalk walk(b, u, key_begin, key_end); walk.next();) {
+      const int64_t at = (walk.key0() - tile_begin) * D;
+      decode_tile<D>(walk.tokens(), keys + at, values + at);
     }
     const float inverse_cap = b.soft_cap > 0.0f ? 1.0f / b.soft_cap : 0.0f;
     const float log2_scale = b.score_scale * LOG2E;
@@ -1083,9 +1118,7 @@ template <Isa I, int D>
 NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split, Scratch& scratch) {
   const int64_t group = b.group, pairs = u.rows * group;
   State& st = scratch.split;
-  std::fill(st.m.get(), st.m.get() + pairs, NEG_INF);
-  std::fill(st.l.get(), st.l.get() + pairs, 0.0f);
-  const int64_t key_begin = std::max(split * SPLIT, u.key_begin), key_end = std::min((split + 1) * SPLIT, u.key_end);
+  const auto [key_begin, key_end] = start_split(b, u, split, st);
   const int64_t first_row = u.first_row_seeing(b, key_begin);
   std::fill(st.acc.get() + first_row * group * D, st.acc.get() + pairs * D, 0.0f);
   const float inverse_cap = b.soft_cap > 0.0f ? 1.0f / b.soft_cap : 0.0f;
@@ -1099,15 +1132,9 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
               __builtin_bit_cast(uint32_t, q[0]) >> 16 | (__builtin_bit_cast(uint32_t, q[4]) & 0xFFFF0000u);
         }
   }
-  TileCursor cursor(b, u, key_begin);
-  TileTokens tiles[2];  // this tile's keys, and the next one's, fetched ahead
-  const int64_t tile_begin = key_begin - key_begin % TILE;
-  cursor.next(static_cast<int>(key_begin - tile_begin), static_cast<int>(std::min<int64_t>(TILE, key_end - tile_begin)),
-              tiles[0]);
-  for (int64_t key0 = tile_begin, i = 0; key0 < key_end; key0 += TILE, i ^= 1) {
-    const TileTokens& tokens = tiles[i];
-    if (key0 + TILE < key_end)
-      cursor.next(0, static_cast<int>(std::min<int64_t>(TILE, key_end - key0 - TILE)), tiles[i ^ 1]);
+  for (TileWalk walk(b, u, key_begin, key_end); walk.next();) {
+    const TileTokens& tokens = walk.tokens();
+    const int64_t key0 = walk.key0();
     f32x16 key_scales[D / NVFP4_GROUP];
     if (b.layout.fp8_keys)
       decode_fp8_keys<I, D>(tokens, scratch.keys.get(), key_scales);
