@@ -625,11 +625,12 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
 // the CTA's KV range, and they merge through shared memory at the end. S^T's fragments become P^T's with `movmatrix` (a
 // transpose of 8 × 8 half blocks in registers).
 //
-// Lane (g, t) of a warp: for K it loads the channel quarter t of keys σ(g) and σ(g) + 2 of each 16-key block,
+// Lane (g, t) of a warp: for K it loads a quarter of the channels of keys σ(g) and σ(g) + 2 of each 16-key block,
 // σ(g) = 2g - g % 2 (so that after the transpose its V keys are 4t .. 4t + 3, four consecutive keys whose
-// swizzled V scales share one 32-bit word); for V it loads the channel eighth g of keys 4t .. 4t + 3. Channel
-// orders inside a quarter or an eighth are permuted as the decode of a 32-bit code word comes out; the query is
-// loaded in the matching order and the output written back in channel order.
+// swizzled V scales share one 32-bit word): its pieces of at most 16 bytes of the K row, pieces 4p + t
+// (DecodeSlot::piece_offset); for V it loads the channel eighth g of keys 4t .. 4t + 3. Channel orders inside a
+// piece or an eighth are permuted as the decode of a 32-bit code word comes out; the query is loaded in the
+// matching order and the output written back in channel order.
 constexpr int DECODE_WARPS = 4;
 constexpr int DECODE_THREADS = DECODE_WARPS * WARP;
 constexpr int DECODE_CHUNK = 32;  // keys of one warp iteration: two 16-key blocks
@@ -640,7 +641,6 @@ struct DecodeShape {
   static constexpr int K_BYTES = K_ROW / 4;      // one lane's quarter of a K row
   static constexpr int K_WORDS = K_BYTES / 4;
   static constexpr int K_GROUPS = D / 32;  // 8-element groups of that quarter
-  static constexpr int K_SCALES = D / 64;  // its block scales
   static constexpr int V_BYTES = D / 16;   // one lane's eighth of a V row
   static constexpr int V_WORDS = D / 64;
   static constexpr int V_GROUPS = D >= 256 ? D / 128 : 1;  // block-scale groups of that eighth
@@ -655,15 +655,18 @@ struct DecodeSlot {
   using S = DecodeShape<D, FP8>;
   static constexpr int K_PIECE = S::K_BYTES < 16 ? S::K_BYTES : 16;  // bytes of one copy of a K quarter
   static constexpr int K_PIECES = S::K_BYTES / K_PIECE;
-  // From one of a lane's pieces of a K row to its next. FP8 keys: the four lanes of a key take its 16-byte pieces in
-  // turn (lane t pieces 4p + t), so that each copy instruction reads whole 32-byte sectors. A lane's own 32 bytes in
-  // two copies had each instruction read half of every sector it touched, so every sector twice: at head 128 the
-  // busiest memory unit ran at 82% for 47% of DRAM bandwidth, and decode took 0.19 ms instead of 0.15.
-  static constexpr int K_PIECE_STEP = FP8 ? 4 * K_PIECE : K_PIECE;
+  static constexpr int PIECE_CHANNELS = FP8 ? K_PIECE : 2 * K_PIECE;
+  // Where lane t's piece p of a K row starts: the four lanes of a key take its pieces in turn, so that each copy
+  // instruction reads whole 32-byte sectors. A lane's own 32 bytes in two copies had each instruction read half of
+  // every sector it touched, so every sector twice: FP8 keys at head 128 had their busiest memory unit at 82% for 47%
+  // of DRAM bandwidth, and decode took 0.19 ms instead of 0.15. An NVFP4 piece's block scales start at
+  // byte piece_offset / 8 of the key's scale row (a scale byte for each 8 bytes of codes).
+  __host__ __device__ static constexpr int piece_offset(int t, int p) { return (4 * p + t) * K_PIECE; }
   static constexpr int K_DATA = 0;                                         // [16-key run][key r][piece][lane]
-  static constexpr int K_SCALES = K_DATA + 4 * K_PIECES * WARP * K_PIECE;  // [run][key r][lane]: a 4-byte word
-  static constexpr int V_DATA = K_SCALES + (FP8 ? 0 : 4 * WARP * 4);       // [run][key 4t + i][lane]
-  static constexpr int V_SCALES = V_DATA + 8 * WARP * S::V_BYTES;          // [run][group][lane]: a 4-byte word
+  static constexpr int K_SCALES = K_DATA + 4 * K_PIECES * WARP * K_PIECE;  // [run][key r][piece][lane]: the 4-byte
+                                                                           // word holding the piece's scale bytes
+  static constexpr int V_DATA = K_SCALES + (FP8 ? 0 : 4 * K_PIECES * WARP * 4);  // [run][key 4t + i][lane]
+  static constexpr int V_SCALES = V_DATA + 8 * WARP * S::V_BYTES;                // [run][group][lane]: a 4-byte word
   static constexpr int BYTES = V_SCALES + 2 * S::V_GROUPS * WARP * 4;
 };
 
@@ -695,8 +698,8 @@ struct LaneOffsets {
   __device__ LaneOffsets(const Params& p) {
     const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, sigma = 2 * g - (g & 1);
     const int step = static_cast<int>(p.layout.token_step());
-    k_data = sigma * step * S::K_ROW + (FP8 ? DecodeSlot<D, FP8>::K_PIECE : S::K_BYTES) * t;
-    k_scales = (sigma * step * (D / 16) + S::K_SCALES * t) & ~3;  // the aligned word holding them
+    k_data = sigma * step * S::K_ROW + DecodeSlot<D, FP8>::piece_offset(t, 0);
+    k_scales = (sigma * step * (D / 16) + DecodeSlot<D, FP8>::piece_offset(t, 0) / 8) & ~3;  // the aligned word
     v_data = 4 * t * step * (D / 2) + S::V_BYTES * g;
 #pragma unroll
     for (int q = 0; q < S::V_GROUPS; ++q) {
@@ -743,8 +746,8 @@ __device__ __forceinline__ void read_own(uint32_t* dst, const uint8_t* src) {
 }
 
 // Copies this lane's bytes of the chunk at `chunk_start`, whose two 16-key runs lie in `blocks`, into `slot` (keys
-// outside [lo, hi) or without a block are zero-filled, their addresses never read). K scales: the aligned word
-// holding the lane's K_SCALES bytes. Swizzled V scales: the word of the four keys' bytes if any of them is read
+// outside [lo, hi) or without a block are zero-filled, their addresses never read). K scales: per piece, the aligned
+// word holding its scale bytes. Swizzled V scales: the word of the four keys' bytes if any of them is read
 // (attend zeroes the bytes of unread keys); linear: the word LaneOffsets names, if its key is read. WHOLE: every
 // key of the chunk is read (most chunks), so no copy needs a test.
 template <bool WHOLE, int D, bool SWIZZLE, bool FP8>
@@ -776,10 +779,12 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
 #pragma unroll
       for (int piece = 0; piece < L::K_PIECES; ++piece)
         copy_async<L::K_PIECE>(slot + L::K_DATA + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane_id) * L::K_PIECE,
-                               src + piece * L::K_PIECE_STEP, read);
+                               src + L::piece_offset(0, piece), read);
       if constexpr (!FP8)
-        copy_async<4>(slot + L::K_SCALES + ((2 * b + r) * WARP + lane_id) * 4,
-                      read ? k_scales + 2 * r * step * (D / 16) : p.key_cache, read);
+#pragma unroll
+        for (int piece = 0; piece < L::K_PIECES; ++piece)
+          copy_async<4>(slot + L::K_SCALES + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane_id) * 4,
+                        read ? k_scales + 2 * r * step * (D / 16) + L::piece_offset(0, piece) / 8 : p.key_cache, read);
     }
     uint32_t valid = 0;  // bit i: key run + 4t + i is read
 #pragma unroll
@@ -851,6 +856,22 @@ __device__ __forceinline__ void read_v_scales(uint32_t (&v_scales)[DecodeShape<D
   }
 }
 
+// This lane's K scale bytes of key r of run b, in the order of its code words (one scale a 16 codes).
+template <int D, bool FP8>
+__device__ __forceinline__ uint32_t k_scale_bytes(const uint8_t* slot, int b, int r) {
+  using L = DecodeSlot<D, FP8>;
+  const int lane = threadIdx.x % WARP, t = lane & 3;
+  uint32_t words[L::K_PIECES];  // per piece, the aligned word holding its scale bytes
+#pragma unroll
+  for (int piece = 0; piece < L::K_PIECES; ++piece)
+    read_own<4>(&words[piece], slot + L::K_SCALES + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane) * 4);
+  const int first = (L::piece_offset(t, 0) / 8) & 3;  // the first piece's first scale byte in its word
+  if constexpr (L::K_PIECES == 1)
+    return words[0] >> (8 * first);
+  else  // head 256: two bytes of each piece's word
+    return __byte_perm(words[0], words[1], first ? 0x7632 : 0x5410);
+}
+
 // Two E4M3 scale bytes as float16 pairs (s0, s0) and (s1, s1).
 __device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, uint32_t& s1) {
   const uint32_t h = scale_pair(two_bytes & 0xFFFFu);
@@ -900,12 +921,13 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
     const int token = valid ? row / p.group : 0;
     const int q_head = head * p.group + (valid ? row % p.group : 0);
     const T* src = static_cast<const T*>(p.query) + (q_start + token) * p.q_token_stride + q_head * p.q_head_stride;
-    // The lane's channels in the order of its K bytes: the quarter t of the row, or for FP8 keys its pieces.
-    constexpr int PIECE = FP8 ? DecodeSlot<D, FP8>::K_PIECE : D / 4;
+    // The lane's channels in the order of its K bytes: its pieces.
+    using L = DecodeSlot<D, FP8>;
+    constexpr int PIECE = L::PIECE_CHANNELS;
     float q[D / 4], amax = 0.0f;
 #pragma unroll
-    for (int piece = 0; piece < D / 4 / PIECE; ++piece) {
-      const auto loaded = load_elements<PIECE, true>(src + (FP8 ? (4 * piece + t) * PIECE : t * (D / 4)));
+    for (int piece = 0; piece < L::K_PIECES; ++piece) {
+      const auto loaded = load_elements<PIECE, true>(src + L::piece_offset(t, piece) / L::K_PIECE * PIECE);
 #pragma unroll
       for (int i = 0; i < PIECE; ++i) {
         q[piece * PIECE + i] = valid ? to_float(loaded.x[i]) : 0.0f;
@@ -970,30 +992,28 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
             mma_query(s[b][nb], a1, query_frags[nb][2 * u + 1][lane]);
           }
         }
-        continue;
-      }
-      uint32_t sf[2][4];  // [key][scale byte], splatted
+      } else {
+        uint32_t sf[2][4];  // [key][scale byte], splatted
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        uint32_t word;  // the aligned word holding this lane's K_SCALES bytes
-        read_own<4>(&word, slot + L::K_SCALES + ((2 * b + r) * WARP + lane) * 4);
-        const uint32_t scales = word >> (8 * ((S::K_SCALES * t) & 3));
-        scale_splat(scales, sf[r][0], sf[r][1]);
-        if constexpr (S::K_SCALES == 4) scale_splat(scales >> 16, sf[r][2], sf[r][3]);
-      }
+        for (int r = 0; r < 2; ++r) {
+          const uint32_t scales = k_scale_bytes<D, FP8>(slot, b, r);
+          scale_splat(scales, sf[r][0], sf[r][1]);
+          if constexpr (D == 256) scale_splat(scales >> 16, sf[r][2], sf[r][3]);
+        }
 #pragma unroll
-      for (int u = 0; u < S::K_WORDS; ++u) {
-        const uint32_t w0 = k[0][u], w1 = k[1][u];
-        const uint32_t f0 = sf[0][u >> 1], f1 = sf[1][u >> 1];
-        uint32_t h0[4], h1[4];
-        code_pairs(w0, h0);
-        code_pairs(w1, h1);
-        const uint32_t a0[4] = {hmul2(h0[0], f0), hmul2(h1[0], f1), hmul2(h0[1], f0), hmul2(h1[1], f1)};
-        const uint32_t a1[4] = {hmul2(h0[2], f0), hmul2(h1[2], f1), hmul2(h0[3], f0), hmul2(h1[3], f1)};
+        for (int u = 0; u < S::K_WORDS; ++u) {
+          const uint32_t w0 = k[0][u], w1 = k[1][u];
+          const uint32_t f0 = sf[0][u >> 1], f1 = sf[1][u >> 1];
+          uint32_t h0[4], h1[4];
+          code_pairs(w0, h0);
+          code_pairs(w1, h1);
+          const uint32_t a0[4] = {hmul2(h0[0], f0), hmul2(h1[0], f1), hmul2(h0[1], f0), hmul2(h1[1], f1)};
+          const uint32_t a1[4] = {hmul2(h0[2], f0), hmul2(h1[2], f1), hmul2(h0[3], f0), hmul2(h1[3], f1)};
 #pragma unroll
-        for (int nb = 0; nb < NB; ++nb) {
-          mma_query(s[b][nb], a0, query_frags[nb][2 * u][lane]);
-          mma_query(s[b][nb], a1, query_frags[nb][2 * u + 1][lane]);
+          for (int nb = 0; nb < NB; ++nb) {
+            mma_query(s[b][nb], a0, query_frags[nb][2 * u][lane]);
+            mma_query(s[b][nb], a1, query_frags[nb][2 * u + 1][lane]);
+          }
         }
       }
     }
