@@ -640,8 +640,7 @@ struct DecodeShape {
   static constexpr int K_ROW = FP8 ? D : D / 2;  // K bytes of one (key, head)
   static constexpr int K_BYTES = K_ROW / 4;      // one lane's quarter of a K row
   static constexpr int K_WORDS = K_BYTES / 4;
-  static constexpr int K_GROUPS = D / 32;  // 8-element groups of that quarter
-  static constexpr int V_BYTES = D / 16;   // one lane's eighth of a V row
+  static constexpr int V_BYTES = D / 16;  // one lane's eighth of a V row
   static constexpr int V_WORDS = D / 64;
   static constexpr int V_GROUPS = D >= 256 ? D / 128 : 1;  // block-scale groups of that eighth
   static constexpr int KSTEPS = D / 16;                    // k16 steps of S^T
@@ -981,8 +980,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
                                slot + L::K_DATA + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane) * L::K_PIECE);
       if constexpr (FP8) {
 #pragma unroll
-        for (int u = 0; u < S::K_GROUPS; ++u) {
-          uint32_t h0[4], h1[4];  // keys σ(g), σ(g) + 2
+        for (int u = 0; u < S::K_WORDS / 2; ++u) {  // 8 elements: two words
+          uint32_t h0[4], h1[4];                    // keys σ(g), σ(g) + 2
           fp8_pairs(k[0][2 * u], k[0][2 * u + 1], h0);
           fp8_pairs(k[1][2 * u], k[1][2 * u + 1], h1);
           const uint32_t a0[4] = {h0[0], h1[0], h0[1], h1[1]}, a1[4] = {h0[2], h1[2], h0[3], h1[3]};
