@@ -60,7 +60,7 @@ def extension():
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
     # No fused multiply-add and no fast math: the kernels must round exactly like the reference.
     # -Wno-psabi: the CPU kernels' 64-byte vector helpers are always inlined, so no call crosses an ABI.
-    cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-Wno-psabi", "-DPy_LIMITED_API=0x03090000", TORCH_TARGET_VERSION]
+    cxx = ["-O3", "-fopenmp", "-ffp-contract=off", "-Wno-psabi", TORCH_TARGET_VERSION]
     args = {"cxx": cxx}
     if use_cuda:
         sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
@@ -72,6 +72,7 @@ def extension():
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             args["nvcc"] += gencode_flags(default_cuda_archs(nvcc_version()))
     make = CUDAExtension if use_cuda else CppExtension
+    # py_limited_api: torch's builder defines Py_LIMITED_API as its oldest supported CPython (3.10 for torch 2.10).
     return make("vllm_nvfp4_plugin._C", sources, include_dirs=[os.path.join(ROOT, "csrc")],
                 extra_compile_args=args, extra_link_args=["-fopenmp"], py_limited_api=True)
 
@@ -79,5 +80,5 @@ def extension():
 setup(
     ext_modules=[extension()],
     cmdclass={"build_ext": BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
 )
