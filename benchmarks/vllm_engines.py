@@ -15,7 +15,13 @@ path each engine's log names, and greedy agreement of each engine's tokens with 
 FlashInfer's with the core's. `--cpu` runs the same requests on vLLM's CPU platform instead. Score the outputs
 with benchmarks/score_engines.py: greedy texts of random models say little by themselves.
 
-    python benchmarks/vllm_engines.py [--flashinfer-path DIR] [--cpu] [--out DIR]
+`--cudagraphs` runs, for heads 64 and 128 (`--heads`), the nvfp4 CUSTOM engine (the plugin's kernel decodes) eager, with FULL
+CUDA graphs of uniform decode batches (`FULL_DECODE_ONLY`) and with `FULL_AND_PIECEWISE` (vLLM's breakable graphs),
+and vLLM's TRITON_ATTN bf16 engine eager and with `FULL_AND_PIECEWISE`. It reports which graphs vLLM captured (its
+log), whether each engine's tokens equal the same engine's eager tokens, and the decode step time of 8 requests
+(tests/vllm_jobs.py's `decode_timing`).
+
+    python benchmarks/vllm_engines.py [--flashinfer-path DIR] [--cpu | --cudagraphs] [--out DIR]
 """
 
 from __future__ import annotations
@@ -23,8 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,12 +61,25 @@ LOG_LINES = {
 }
 
 
-def llm_args(kv_cache_dtype: str, backend: str | None) -> dict:
-    """`backend` None: vLLM's choice (on the CPU platform, CPU_ATTN, which the plugin overrides)."""
-    return {"enforce_eager": True, "max_model_len": 1024, "kv_cache_memory_bytes": KV_CACHE_BYTES,
+# --cudagraphs: per mode, vLLM's compilation settings and environment. torch.compile is left out: vLLM's compile
+# passes import its compiled CUDA ops, which these engines run without. FULL_AND_PIECEWISE then takes vLLM's breakable
+# CUDA graphs, which break at attention instead of at torch.compile's split points.
+GRAPH_MODES = {
+    "eager": (None, {}),
+    "full-decode": ({"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}, {}),
+    "full+piecewise": ({"mode": 0, "cudagraph_mode": "FULL_AND_PIECEWISE"}, {"VLLM_USE_BREAKABLE_CUDAGRAPH": "1"}),
+}
+DECODE_TIMING = {"batch": 8, "tokens": 64, "repeats": 5}
+
+
+def llm_args(kv_cache_dtype: str, backend: str | None, graphs: dict | None = None) -> dict:
+    """`backend` None: vLLM's choice (on the CPU platform, CPU_ATTN, which the plugin overrides). `graphs`: the
+    compilation settings of a GRAPH_MODES entry (None: eager)."""
+    compilation = {"custom_ops": ["none"], **(graphs or {})}
+    return {"enforce_eager": graphs is None, "max_model_len": 1024, "kv_cache_memory_bytes": KV_CACHE_BYTES,
             "gpu_memory_utilization": 0.05, "dtype": "bfloat16", "max_num_batched_tokens": CHUNK,
             "max_num_seqs": 8, "kv_cache_dtype": kv_cache_dtype, "attention_backend": backend or "auto",
-            "compilation_config": {"custom_ops": ["none"]},
+            "compilation_config": compilation,
             # vLLM's PyTorch RMSNorm, so the run does not depend on vLLM's compiled kernels.
             "kernel_config": {"ir_op_priority": {"rms_norm": ["native"], "fused_add_rms_norm": ["native"]}}}
 
@@ -87,6 +108,42 @@ def agreement(run: dict, ref: dict) -> str:
     return f"{exact}/{len(pairs)} identical, prefix {prefix / len(pairs):.2f}"
 
 
+def captured_graphs(log: str) -> str:
+    """The CUDA graphs vLLM's log says it captured (its progress bars), e.g. "decode FULL, mixed PIECEWISE"."""
+    found = re.findall(r"Capturing CUDA graphs \((decode|mixed prefill-decode), (FULL|PIECEWISE)\)", log)
+    return ", ".join(sorted({f"{kind.split()[0]} {mode}" for kind, mode in found})) or "none"
+
+
+def cudagraph_jobs(with_flashinfer: str, heads: list[int], modes: list[str]) -> dict:
+    lock = str(Path(tempfile.gettempdir()) / "vllm_engines_timing.lock")
+    jobs = {}
+    for head in heads:
+        job = {"model": str(tiny_llama_path(head_dim=head)), "max_tokens": MAX_TOKENS, "batches": BATCHES,
+               "decode_timing": {**DECODE_TIMING, "lock": lock}}
+        for name, dtype, backend, engine_modes in (("nvfp4", "nvfp4", "CUSTOM", GRAPH_MODES),
+                                                   ("bf16", "auto", "TRITON_ATTN", ("eager", "full+piecewise"))):
+            for mode in (m for m in engine_modes if m in modes):
+                graphs, env = GRAPH_MODES[mode]
+                jobs[(head, name, mode)] = ({**job, "llm": llm_args(dtype, backend, graphs), "env": env},
+                                            with_flashinfer)
+    return jobs
+
+
+def cudagraph_table(results: dict) -> str:
+    rows = ["| head | engine | mode | graphs captured | tokens vs the same engine eager | "
+            f"decode step, {DECODE_TIMING['batch']} requests (ms) |",
+            "| --- | --- | --- | --- | --- | ---: |"]
+    for (head, name, mode), result in results.items():
+        if "error" in result:
+            rows.append(f"| {head} | {name} | {mode} | failed: {result['error'].splitlines()[-1][:150]} | | |")
+            continue
+        eager = results.get((head, name, "eager"), {})
+        same = agreement(result, eager) if mode != "eager" and "outputs" in eager else ""
+        rows.append(f"| {head} | {name} | {mode} | {captured_graphs(result['log'])} | {same} | "
+                    f"{result['decode_step_ms']:.2f} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--flashinfer-path",
@@ -95,13 +152,20 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true",
                         help="run the same requests on vLLM's CPU platform instead (engines cpu-nvfp4, cpu-bf16): "
                              "the plugin's CPU path, which calibrates benchmarks/score_engines.py's scores")
+    parser.add_argument("--cudagraphs", action="store_true",
+                        help="the nvfp4 and bf16 engines eager and with CUDA graphs (see above)")
+    parser.add_argument("--heads", default="64,128", help="--cudagraphs: the head sizes (default 64,128)")
+    parser.add_argument("--modes", default=",".join(GRAPH_MODES),
+                        help=f"--cudagraphs: the modes (default {','.join(GRAPH_MODES)})")
     parser.add_argument("--out", help="folder: engine.md (the table), engine.json (the outputs), engine_*.log")
     args = parser.parse_args()
     base_path = os.environ.get("PYTHONPATH", "")
     with_flashinfer = os.pathsep.join(p for p in (args.flashinfer_path or "", base_path) if p)
 
     jobs = {}
-    for head in (64, 128, 256):
+    if args.cudagraphs:
+        jobs = cudagraph_jobs(with_flashinfer, [int(h) for h in args.heads.split(",")], args.modes.split(","))
+    for head in () if args.cudagraphs else (64, 128, 256):
         model = str(tiny_llama_path(head_dim=head))
         job = {"model": model, "max_tokens": MAX_TOKENS, "batches": BATCHES}
         if args.cpu:
@@ -116,12 +180,19 @@ def main() -> None:
     def run(key):
         job, path = jobs[key]
         try:
-            return key, run_job(job, engine_env(path), timeout=400)
+            result = run_job(job, engine_env(path), timeout=400)
         except (RuntimeError, subprocess.TimeoutExpired) as e:  # reported; the other engines still run
-            return key, {"error": str(e)[-4000:]}
+            result = {"error": str(e)[-4000:]}
+        print(key, "failed" if "error" in result else "done", flush=True)
+        return key, result
 
-    with ThreadPoolExecutor(2 if args.cpu else len(jobs)) as pool:  # CPU engines share the host's cores
+    # CPU engines share the host's cores; GPU engines start side by side (--cudagraphs: and time their decodes one
+    # at a time).
+    with ThreadPoolExecutor(2 if args.cpu else len(jobs)) as pool:
         results = dict(pool.map(run, jobs))
+    if args.cudagraphs:
+        report(cudagraph_table(results), results, args.out)
+        return
 
     rows = ["| head | engine | KV tokens | log says | greedy vs bf16 | FlashInfer vs core |",
             "| --- | --- | --- | --- | --- | --- |"]
@@ -135,16 +206,21 @@ def main() -> None:
         core = results.get((head, "nvfp4-core"), {})
         vs_core = agreement(result, core) if name == "nvfp4" and "outputs" in core else ""
         rows.append(f"| {head} | {name} | {result['kv_tokens']} | {said} | {vs_bf16} | {vs_core} |")
-    table = "\n".join(rows)
+    report("\n".join(rows), results, args.out)
+
+
+def report(table: str, results: dict, out_dir: str | None) -> None:
+    """Prints the table; with `out_dir`, writes engine.md, engine.json and one log an engine. Exits 1 if one failed."""
     print(table)
-    if args.out:
-        out = Path(args.out)
+    if out_dir:
+        out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "engine.md").write_text(table + "\n")
-        raw = {f"{head}-{name}": {k: v for k, v in r.items() if k != "log"} for (head, name), r in results.items()}
+        names = {key: "_".join(str(part) for part in key) for key in results}
+        raw = {names[key]: {k: v for k, v in r.items() if k != "log"} for key, r in results.items()}
         (out / "engine.json").write_text(json.dumps(raw, indent=1))
-        for (head, name), r in results.items():
-            (out / f"engine_{head}_{name}.log").write_text(r.get("log") or r["error"])
+        for key, r in results.items():
+            (out / f"engine_{names[key]}.log").write_text(r.get("log") or r["error"])
     if any("error" in r for r in results.values()):
         sys.exit(1)
 

@@ -13,6 +13,10 @@ Optional keys: "logprobs": k adds each generated token's k most likely tokens' l
 pages from the n-th attention batch on (a deliberately wrong page, to prove the tests catch one).
 When the job passes "disable_log_stats": false, the result also holds "counters", every vLLM counter metric
 (vllm:num_preemptions, vllm:prefix_cache_hits, ...) summed over engines, and "num_preemptions" among them.
+"env": {name: value} sets environment variables before vLLM is imported.
+"decode_timing": {"batch": b, "tokens": n, "repeats": r, "lock": path} times decode steps after the batches: b
+requests of n + 1 greedy tokens against the same requests of 1 token, median of r, under an exclusive lock on
+`path` (engines started side by side time one at a time); the result's "decode_step_ms" is the difference / n.
 Several workloads in one engine: "workloads": [{"batches": [...], "max_tokens": n}, ...] instead of "batches" and
 "max_tokens". Before each workload after the first the prefix cache is reset, so none reads another's blocks; the
 result then holds "workloads", per workload its "outputs", "counters" (what it added to them) and "num_preemptions".
@@ -21,6 +25,7 @@ A fidelity job: {"fidelity": {teacher_forced_agreement kwargs}} → the Fidelity
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +61,7 @@ def main(job: dict) -> None:
         print("RESULT " + json.dumps({label: asdict(result) for label, result in results.items()}))
         return
 
+    os.environ.update(job.get("env", {}))
     from vllm import LLM
 
     if "plant_foreign_block_after" in job:
@@ -76,6 +82,8 @@ def main(job: dict) -> None:
             results[-1]["num_preemptions"] = results[-1]["counters"]["vllm:num_preemptions"]
     kv_tokens = cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
     result = {"kv_tokens": kv_tokens, "block_size": cache.block_size}
+    if "decode_timing" in job:
+        result["decode_step_ms"] = decode_step_ms(llm, **job["decode_timing"])
     if "workloads" in job:
         result["workloads"] = results
     else:
@@ -101,6 +109,29 @@ def generate(llm, batches: list, max_tokens: int, job: dict) -> list[dict]:
                      "logprobs": top_logprobs(r.outputs[0])}
                     for r in results]
     return outputs
+
+
+def decode_step_ms(llm, batch: int, tokens: int, repeats: int, lock: str) -> float:
+    """Milliseconds per decode step of `batch` requests (see the module's docstring)."""
+    import fcntl
+    import statistics
+    import time
+
+    from vllm import SamplingParams
+
+    prompts = [f"Request {i}: list the rivers of region {i}, one per line." for i in range(batch)]
+
+    def seconds(max_tokens: int) -> float:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        seconds(tokens + 1)  # warm-up
+        steps = [(seconds(tokens + 1) - seconds(1)) / tokens for _ in range(repeats)]
+    return 1e3 * statistics.median(steps)
 
 
 def counters(llm) -> dict[str, float]:
