@@ -15,9 +15,9 @@ path each engine's log names, and greedy agreement of each engine's tokens with 
 FlashInfer's with the core's. `--cpu` runs the same requests on vLLM's CPU platform instead. Score the outputs
 with benchmarks/score_engines.py: greedy texts of random models say little by themselves.
 
-`--cudagraphs` runs, for heads 64 and 128 (`--heads`), the nvfp4 CUSTOM engine (the plugin's kernel decodes) eager, with FULL
-CUDA graphs of uniform decode batches (`FULL_DECODE_ONLY`) and with `FULL_AND_PIECEWISE` (vLLM's breakable graphs),
-and vLLM's TRITON_ATTN bf16 engine eager and with `FULL_AND_PIECEWISE`. It reports which graphs vLLM captured (its
+`--cudagraphs` runs, for heads 64 and 128 (`--heads`), the nvfp4 CUSTOM engine (the plugin's kernel decodes) eager,
+with FULL CUDA graphs of uniform decode batches (`FULL_DECODE_ONLY`) and with `FULL_AND_PIECEWISE` (vLLM's breakable
+graphs), and vLLM's TRITON_ATTN bf16 engine eager and with `FULL_AND_PIECEWISE` (`--modes` picks among them). It reports which graphs vLLM captured (its
 log), whether each engine's tokens equal the same engine's eager tokens, and the decode step time of 8 requests
 (tests/vllm_jobs.py's `decode_timing`).
 
@@ -108,6 +108,38 @@ def agreement(run: dict, ref: dict) -> str:
     return f"{exact}/{len(pairs)} identical, prefix {prefix / len(pairs):.2f}"
 
 
+def engine_jobs(cpu: bool, has_flashinfer_path: bool, base_path: str, with_flashinfer: str) -> dict:
+    """The default run's engines: {(head, name): (job, PYTHONPATH)}."""
+    jobs = {}
+    for head in (64, 128, 256):
+        job = {"model": str(tiny_llama_path(head_dim=head)), "max_tokens": MAX_TOKENS, "batches": BATCHES}
+        if cpu:
+            jobs[(head, "cpu-nvfp4")] = ({**job, "llm": llm_args("nvfp4", None)}, base_path)
+            jobs[(head, "cpu-bf16")] = ({**job, "llm": llm_args("auto", None)}, base_path)
+            continue
+        jobs[(head, "nvfp4")] = ({**job, "llm": llm_args("nvfp4", "CUSTOM")}, with_flashinfer)
+        if head != 64 and has_flashinfer_path:
+            jobs[(head, "nvfp4-core")] = ({**job, "llm": llm_args("nvfp4", "CUSTOM")}, base_path)
+        jobs[(head, "bf16")] = ({**job, "llm": llm_args("auto", "TRITON_ATTN")}, with_flashinfer)
+    return jobs
+
+
+def engine_table(results: dict, cpu: bool) -> str:
+    rows = ["| head | engine | KV tokens | log says | greedy vs bf16 | FlashInfer vs core |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for (head, name), result in results.items():
+        if "error" in result:
+            rows.append(f"| {head} | {name} | failed | {result['error'].splitlines()[-1][:150]} | | |")
+            continue
+        said = ", ".join(k for k, line in LOG_LINES.items() if line in result["log"])
+        ref = results.get((head, "cpu-bf16" if cpu else "bf16"), {})
+        vs_bf16 = agreement(result, ref) if "outputs" in ref and not name.endswith("bf16") else ""
+        core = results.get((head, "nvfp4-core"), {})
+        vs_core = agreement(result, core) if name == "nvfp4" and "outputs" in core else ""
+        rows.append(f"| {head} | {name} | {result['kv_tokens']} | {said} | {vs_bf16} | {vs_core} |")
+    return "\n".join(rows)
+
+
 def captured_graphs(log: str) -> str:
     """The CUDA graphs vLLM's log says it captured (its progress bars), e.g. "decode FULL, mixed PIECEWISE"."""
     found = re.findall(r"Capturing CUDA graphs \((decode|mixed prefill-decode), (FULL|PIECEWISE)\)", log)
@@ -162,20 +194,10 @@ def main() -> None:
     base_path = os.environ.get("PYTHONPATH", "")
     with_flashinfer = os.pathsep.join(p for p in (args.flashinfer_path or "", base_path) if p)
 
-    jobs = {}
     if args.cudagraphs:
         jobs = cudagraph_jobs(with_flashinfer, [int(h) for h in args.heads.split(",")], args.modes.split(","))
-    for head in () if args.cudagraphs else (64, 128, 256):
-        model = str(tiny_llama_path(head_dim=head))
-        job = {"model": model, "max_tokens": MAX_TOKENS, "batches": BATCHES}
-        if args.cpu:
-            jobs[(head, "cpu-nvfp4")] = ({**job, "llm": llm_args("nvfp4", None)}, base_path)
-            jobs[(head, "cpu-bf16")] = ({**job, "llm": llm_args("auto", None)}, base_path)
-            continue
-        jobs[(head, "nvfp4")] = ({**job, "llm": llm_args("nvfp4", "CUSTOM")}, with_flashinfer)
-        if head != 64 and args.flashinfer_path:
-            jobs[(head, "nvfp4-core")] = ({**job, "llm": llm_args("nvfp4", "CUSTOM")}, base_path)
-        jobs[(head, "bf16")] = ({**job, "llm": llm_args("auto", "TRITON_ATTN")}, with_flashinfer)
+    else:
+        jobs = engine_jobs(args.cpu, bool(args.flashinfer_path), base_path, with_flashinfer)
 
     def run(key):
         job, path = jobs[key]
@@ -190,23 +212,8 @@ def main() -> None:
     # at a time).
     with ThreadPoolExecutor(2 if args.cpu else len(jobs)) as pool:
         results = dict(pool.map(run, jobs))
-    if args.cudagraphs:
-        report(cudagraph_table(results), results, args.out)
-        return
-
-    rows = ["| head | engine | KV tokens | log says | greedy vs bf16 | FlashInfer vs core |",
-            "| --- | --- | --- | --- | --- | --- |"]
-    for (head, name), result in results.items():
-        if "error" in result:
-            rows.append(f"| {head} | {name} | failed | {result['error'].splitlines()[-1][:150]} | | |")
-            continue
-        said = ", ".join(k for k, line in LOG_LINES.items() if line in result["log"])
-        ref = results.get((head, "cpu-bf16" if args.cpu else "bf16"), {})
-        vs_bf16 = agreement(result, ref) if "outputs" in ref and not name.endswith("bf16") else ""
-        core = results.get((head, "nvfp4-core"), {})
-        vs_core = agreement(result, core) if name == "nvfp4" and "outputs" in core else ""
-        rows.append(f"| {head} | {name} | {result['kv_tokens']} | {said} | {vs_bf16} | {vs_core} |")
-    report("\n".join(rows), results, args.out)
+    table = cudagraph_table(results) if args.cudagraphs else engine_table(results, args.cpu)
+    report(table, results, args.out)
 
 
 def report(table: str, results: dict, out_dir: str | None) -> None:

@@ -6,8 +6,8 @@ With `custom_ops=["none"]` and native RMSNorm, vLLM's engine on its CUDA platfor
 so its Python suffices, with three changes made here and nowhere else:
 - a distribution record `vllm 0.32.0` (vLLM picks the CUDA platform only for a version without "+cpu");
 - `vllm._C_stable_libtorch`, the module cuda.py imports to register vLLM's kernels, becomes
-  `vllm_kernel_library_shim.py`: the CUTLASS capability queries vLLM asks at import answer "not supported", and
-  `weak_ref_tensor` (CUDA-graph capture) returns a plain view. No kernel of vLLM is defined;
+  `vllm_kernel_library_shim.py`, which answers what vLLM asks of that library (its docstring says what) and defines
+  no kernel of vLLM;
 - `vllm.vllm_flash_attn`, imported by every model through its encoder attention, no longer refuses to import
   without its kernels (nothing here calls them).
 torch.compile stays off: vLLM's compile passes take its compiled ops as patterns at import.
