@@ -212,6 +212,26 @@ def test_loose_bounds():
     batch.check(loose)
 
 
+@pytest.mark.parametrize("features", [{}, {"sinks": True}], ids=["plain", "sinks"])
+def test_decode_bits_independent_of_bounds_and_padding(features):
+    """A decode request's output bits depend on it alone: not on the host's max_seq_len bound (vLLM captures its CUDA
+    graphs for max_model_len) nor on empty requests padding the batch (to a graph's capture size), so an engine's
+    eager steps and graph replays give the same tokens."""
+    batch = Batch([(1, 3000), (1, 700), (1, 20)], seed=13)
+    if features:
+        batch.features = {"sinks": _sinks(batch.q_heads, 13)}
+    exact = batch.run()
+    batch.check(exact)
+    assert torch.equal(batch.run(max_seq_len=32768), exact)
+    rows = batch.num_tokens
+    batch.query_start_loc = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:]])
+    batch.seq_lens = torch.cat([batch.seq_lens, torch.zeros_like(batch.seq_lens[:1])])
+    batch.block_table = torch.cat([batch.block_table, batch.block_table[:1]])
+    padded = batch.run(max_seq_len=32768)
+    assert torch.equal(padded[:rows], exact[:rows])
+    assert torch.isnan(padded[rows:]).all()
+
+
 def _adversarial_kv(kind):
     def make(n, heads, d):
         g = torch.Generator().manual_seed(n)

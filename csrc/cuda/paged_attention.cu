@@ -202,10 +202,11 @@ struct Params {
   float soft_cap_log2;  // logits_soft_cap · log2(e), 0: no soft-cap
   const float* sinks;   // [q_heads] sink logits, or null
   NVFP4PageLayout layout;
-  int block_shift;  // log2(block_size) when a power of two, else -1
-  int group;        // query heads per KV head
-  int tiles_per_split;
-  int num_splits;
+  int block_shift;        // log2(block_size) when a power of two, else -1
+  int group;              // query heads per KV head
+  int tiles_per_split;    // the fused kernel's split length, in tiles
+  int num_splits;         // the grid's splits
+  int decode_max_splits;  // the decode kernel's splits of a request at most (decode_splits); 0 in the fused kernel
   void* out;
   int64_t out_token_stride, out_head_stride;
   float* partial_out;  // [num_splits, tokens, q_heads, D] when num_splits > 1
@@ -878,6 +879,20 @@ __device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, ui
   s1 = __byte_perm(h, h, 0x3232);
 }
 
+// The first key a decode request's rows see: its window's start, or 0.
+__device__ __forceinline__ int decode_kv_lo(int seq_len, int num_q, int sliding_window) {
+  return sliding_window > 0 ? max(0, seq_len - num_q - sliding_window + 1) : 0;
+}
+
+// A decode request's split-KV partition, (chunks a split, splits): its own chunks in at most `max_splits` runs of
+// at least 8 chunks. It depends on the request's length alone, not on the batch's host-side bound, so vLLM's eager
+// steps and its CUDA graphs (captured for max_model_len) split a request alike and compute the same bits.
+__device__ __forceinline__ int2 decode_splits(int chunks, int max_splits) {
+  const int wanted = max(1, min(max_splits, chunks / 8));
+  const int per_split = max(1, (chunks + wanted - 1) / wanted);
+  return make_int2(per_split, max(1, (chunks + per_split - 1) / per_split));
+}
+
 // CTAs an SM as the registers allow (a chunk's bytes wait in shared memory, so the output accumulators dominate):
 // four (128 registers a thread) up to head 128 with 8 query rows, two for the wide cases (head 256, or 16 rows).
 constexpr int decode_ctas_per_sm(int d, int nb) { return d * nb <= 128 ? 4 : 2; }
@@ -900,13 +915,16 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
   const int warp = threadIdx.x / WARP, lane = threadIdx.x % WARP;
   const int g = lane >> 2, t = lane & 3;
 
-  // The CTA's keys: from the first key its rows' windows reach (whole chunks), to the context's end.
+  // The CTA's keys: its split of the request's chunks, from the first key its rows' windows reach (whole chunks)
+  // to the context's end.
   const int first_query_pos = seq_len - num_q;
-  const int kv_lo = p.sliding_window > 0 ? max(0, first_query_pos - p.sliding_window + 1) : 0;
+  const int kv_lo = decode_kv_lo(seq_len, num_q, p.sliding_window);
   const int chunk0 = kv_lo / DECODE_CHUNK;
   const int chunks = max(0, (seq_len + DECODE_CHUNK - 1) / DECODE_CHUNK - chunk0);
-  const int chunk_begin = split * p.tiles_per_split;
-  const int chunk_end = split == p.num_splits - 1 ? chunks : min(chunks, chunk_begin + p.tiles_per_split);
+  const int2 splits = decode_splits(chunks, min(p.decode_max_splits, static_cast<int>(gridDim.y)));
+  if (split >= splits.y) return;
+  const int chunk_begin = split * splits.x;
+  const int chunk_end = min(chunks, chunk_begin + splits.x);
 
   // Query rows as B fragments (row g of each n8 block, this lane's channel quarter t), scaled per row by a power
   // of two into float16's range; the logit scale of the two rows (2t, 2t + 1) whose S^T columns this lane holds.
@@ -1174,7 +1192,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
         acc += merge_o[(w * QROWS + row) * D + d] * weight;
       }
     }
-    if (p.num_splits == 1) {
+    if (splits.y == 1) {
       if (p.sinks != nullptr) add_sink(__ldg(p.sinks + q_head), m_all, sum, acc);
       from_float(sum > 0.0f ? acc / sum * out_scale : 0.0f,
                  static_cast<T*>(p.out) + token * p.out_token_stride + q_head * p.out_head_stride + d);
@@ -1187,18 +1205,36 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
 }
 
 // Merges the splits' partial outputs: one warp per (query token, query head); lanes share the splits' log-sum-exps,
-// then each lane sums its columns over the splits.
+// then each lane sums its columns over the splits. After the decode kernel (p.decode_max_splits > 0), a token's
+// request has its own splits (decode_splits), and one of a single split wrote its output itself.
 template <int D, typename T>
-__global__ void __launch_bounds__(ATTN_THREADS)
-    combine_splits_kernel(const float* __restrict__ partial_out, const float* __restrict__ partial_lse, int num_splits,
-                          int64_t num_tokens, int q_heads, const int32_t* __restrict__ query_start_loc, int num_reqs,
-                          const float* __restrict__ sinks, T* __restrict__ out, int64_t out_token_stride,
-                          int64_t out_head_stride) {
+__global__ void __launch_bounds__(ATTN_THREADS) combine_splits_kernel(Params p, int num_reqs, int q_heads) {
   const int64_t pair = static_cast<int64_t>(blockIdx.x) * ATTN_WARPS + threadIdx.x / WARP;
   const int lane = threadIdx.x % WARP;
   const int64_t token = pair / q_heads;
   const int head = static_cast<int>(pair % q_heads);
-  if (token >= min(num_tokens, static_cast<int64_t>(__ldg(query_start_loc + num_reqs)))) return;
+  const int32_t* query_start_loc = p.query_start_loc;
+  if (token >= min(p.num_tokens, static_cast<int64_t>(__ldg(query_start_loc + num_reqs)))) return;
+  int num_splits = p.num_splits;
+  if (p.decode_max_splits > 0) {
+    int request = 0, last = num_reqs - 1;  // the last request starting at or before the token: the token's
+    while (request < last) {
+      const int mid = (request + last + 1) / 2;
+      if (__ldg(query_start_loc + mid) <= token)
+        request = mid;
+      else
+        last = mid - 1;
+    }
+    const int num_q = __ldg(query_start_loc + request + 1) - __ldg(query_start_loc + request);
+    const int seq_len = __ldg(p.seq_lens + request);
+    const int chunk0 = decode_kv_lo(seq_len, num_q, p.sliding_window) / DECODE_CHUNK;
+    const int chunks = max(0, (seq_len + DECODE_CHUNK - 1) / DECODE_CHUNK - chunk0);
+    num_splits = decode_splits(chunks, min(p.decode_max_splits, p.num_splits)).y;
+    if (num_splits == 1) return;
+  }
+  const float* __restrict__ partial_out = p.partial_out;
+  const float* __restrict__ partial_lse = p.partial_lse;
+  const int64_t num_tokens = p.num_tokens;
   const int64_t split_stride = num_tokens * q_heads;
   const float* lse = partial_lse + token * q_heads + head;
   float lse_max = -INFINITY;
@@ -1219,9 +1255,9 @@ __global__ void __launch_bounds__(ATTN_THREADS)
     }
   }
   float keep = 1.0f;
-  if (sinks != nullptr) add_sink(__ldg(sinks + head), lse_max, weight, keep);
+  if (p.sinks != nullptr) add_sink(__ldg(p.sinks + head), lse_max, weight, keep);
   const float inv = weight > 0.0f ? keep / weight : 0.0f;
-  T* dst = out + token * out_token_stride + head * out_head_stride + lane * COLS;
+  T* dst = static_cast<T*>(p.out) + token * p.out_token_stride + head * p.out_head_stride + lane * COLS;
 #pragma unroll
   for (int c = 0; c < COLS; ++c) from_float(acc[c] * inv, dst + c);
 }
@@ -1276,22 +1312,18 @@ void plan_partials(Params& p, int64_t splits, const Tensor& query, Tensor& parti
 }
 
 template <int D, typename T>
-void launch_combine(const Params& p, int64_t num_reqs, int64_t q_heads, const Tensor& query_start_loc,
-                    cudaStream_t stream) {
+void launch_combine(const Params& p, int64_t num_reqs, int64_t q_heads, cudaStream_t stream) {
   const int64_t pairs = p.num_tokens * q_heads;
   combine_splits_kernel<D, T>
       <<<static_cast<unsigned>((pairs + ATTN_WARPS - 1) / ATTN_WARPS), ATTN_THREADS, 0, stream>>>(
-          p.partial_out, p.partial_lse, p.num_splits, p.num_tokens, static_cast<int>(q_heads),
-          query_start_loc.const_data_ptr<int32_t>(), static_cast<int>(num_reqs), p.sinks, static_cast<T*>(p.out),
-          p.out_token_stride, p.out_head_stride);
+          p, static_cast<int>(num_reqs), static_cast<int>(q_heads));
   check_launch("nvfp4_paged_attention (combine)");
 }
 
-// Splits of each CTA's KV range: from half to twice as many as fill the GPU twice over (each at least 8 chunks),
-// the count whose CTAs best fill their last wave of `resident` (fewest splits within 4% of the best): a wave left
-// mostly empty would cost as much as a full one.
-int64_t wave_filling_splits(int64_t ctas, int64_t resident, int64_t chunk_bound) {
-  const int64_t most = std::max<int64_t>(1, chunk_bound / 8);
+// Splits of each CTA's KV range: from half to twice as many as fill the GPU twice over (at most `most`), the count
+// whose CTAs best fill their last wave of `resident` (fewest splits within 4% of the best): a wave left mostly
+// empty would cost as much as a full one.
+int64_t wave_filling_splits(int64_t ctas, int64_t resident, int64_t most) {
   const int64_t twice_over = std::clamp<int64_t>((2 * resident + ctas - 1) / ctas, 1, most);
   auto waste = [&](int64_t splits) {  // full-wave time over busy time
     const double waves = static_cast<double>(ctas * splits) / resident;
@@ -1305,10 +1337,12 @@ int64_t wave_filling_splits(int64_t ctas, int64_t resident, int64_t chunk_bound)
   return best;
 }
 
-// The decode kernel: one CTA per (KV head, split, request), splits from wave_filling_splits.
+// The decode kernel: one CTA per (KV head, split, request). A request's splits (decode_splits) are capped by what
+// fills the GPU for this many requests, counted as the next power of two: vLLM pads a CUDA graph's batch to a
+// capture size, and its capture sizes hold every power of two, so a padded batch plans as its eager batch does.
 template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
 void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
-                   const Tensor& query_start_loc, cudaStream_t stream) {
+                   cudaStream_t stream) {
   auto kernel = nvfp4_paged_decode_kernel<D, NB, SWIZZLE, FP8, T>;
   const int smem_bytes = std::max(DECODE_WARPS * 2 * DecodeSlot<D, FP8>::BYTES,  // the rings, then merge_o
                                   DECODE_WARPS * 8 * NB * D * static_cast<int>(sizeof(float)));
@@ -1319,12 +1353,12 @@ void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t m
   NVFP4_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, DECODE_THREADS, smem_bytes) == cudaSuccess,
               "nvfp4_paged_attention: occupancy query failed");
   const int64_t resident = std::max(1, per_sm) * static_cast<int64_t>(multiprocessors(query.get_device_index()));
-  const int64_t ctas = num_reqs * p.layout.num_heads;
+  int64_t padded_reqs = 1;
+  while (padded_reqs < num_reqs) padded_reqs *= 2;
+  p.decode_max_splits = static_cast<int>(wave_filling_splits(padded_reqs * p.layout.num_heads, resident, 65535));
   const int64_t chunk_bound =
       std::max<int64_t>(1, (visible_keys_bound(p, max_query_len, max_seq_len) + DECODE_CHUNK - 1) / DECODE_CHUNK + 1);
-  int64_t splits = wave_filling_splits(ctas, resident, chunk_bound);
-  p.tiles_per_split = static_cast<int>((chunk_bound + splits - 1) / splits);
-  splits = (chunk_bound + p.tiles_per_split - 1) / p.tiles_per_split;
+  const int64_t splits = std::min<int64_t>(p.decode_max_splits, std::max<int64_t>(1, chunk_bound / 8));
   Tensor partial_out, partial_lse;
   plan_partials(p, splits, query, partial_out, partial_lse, D);
   NVFP4_CHECK(num_reqs <= 65535 && splits <= 65535, "nvfp4_paged_attention: ", num_reqs,
@@ -1333,12 +1367,12 @@ void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t m
                   static_cast<unsigned>(num_reqs));
   kernel<<<grid, DECODE_THREADS, smem_bytes, stream>>>(p);
   check_launch("nvfp4_paged_attention (decode)");
-  if (splits > 1) launch_combine<D, T>(p, num_reqs, query.size(1), query_start_loc, stream);
+  if (splits > 1) launch_combine<D, T>(p, num_reqs, query.size(1), stream);
 }
 
 template <int D, int WARPS_M, bool FP8, typename T>
 void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
-            const Tensor& query_start_loc, const Tensor& out, cudaStream_t stream) {
+            cudaStream_t stream) {
   using G = Tiles<D, FP8>;
   auto kernel = nvfp4_paged_attention_kernel<D, WARPS_M, FP8, T>;
   const int smem_bytes = G::STAGES * G::STAGE_BYTES;
@@ -1367,32 +1401,28 @@ void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_
                   static_cast<unsigned>(num_reqs));
   kernel<<<grid, ATTN_THREADS, smem_bytes, stream>>>(p);
   check_launch("nvfp4_paged_attention");
-  if (splits > 1) launch_combine<D, T>(p, num_reqs, query.size(1), query_start_loc, stream);
+  if (splits > 1) launch_combine<D, T>(p, num_reqs, query.size(1), stream);
 }
 
 // The decode kernel reads 16-key runs that never cross a block, so block sizes that are not a multiple of 16 run
 // the fused kernel.
 template <int D, bool FP8, typename T>
 void dispatch_rows(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
-                   const Tensor& query_start_loc, const Tensor& out, cudaStream_t stream) {
+                   cudaStream_t stream) {
   const int64_t rows = max_query_len * p.group;
   const bool swizzle = p.layout.swizzle_v_scales;
   if (p.layout.block_size % 16 == 0) {
     if (rows <= 8)
-      return swizzle ? launch_decode<D, 1, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
-                                                         query_start_loc, stream)
-                     : launch_decode<D, 1, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
-                                                          query_start_loc, stream);
+      return swizzle ? launch_decode<D, 1, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream)
+                     : launch_decode<D, 1, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
     if (rows <= 16)
-      return swizzle ? launch_decode<D, 2, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
-                                                         query_start_loc, stream)
-                     : launch_decode<D, 2, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query,
-                                                          query_start_loc, stream);
+      return swizzle ? launch_decode<D, 2, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream)
+                     : launch_decode<D, 2, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
   }
   if (rows <= 32)
-    launch<D, 2, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+    launch<D, 2, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
   else
-    launch<D, 4, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+    launch<D, 4, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
 }
 
 void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
@@ -1441,13 +1471,13 @@ void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, co
     constexpr bool FP8 = decltype(fp8)::value;
     switch (layout.head_size) {
       case 64:
-        dispatch_rows<64, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+        dispatch_rows<64, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
         break;
       case 128:
-        dispatch_rows<128, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+        dispatch_rows<128, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
         break;
       default:
-        dispatch_rows<256, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, query_start_loc, out, stream);
+        dispatch_rows<256, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
     }
   };
   auto by_keys = [&](auto tag) {
