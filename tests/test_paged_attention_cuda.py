@@ -222,8 +222,8 @@ def test_decode_bits_independent_of_bounds_and_padding(features):
         batch.features = {"sinks": _sinks(batch.q_heads, 13)}
     exact = batch.run()
     batch.check(exact)
-    assert torch.equal(batch.run(max_seq_len=32768), exact)
     rows = batch.num_tokens
+    assert torch.equal(batch.run(max_seq_len=32768)[:rows], exact[:rows])
     batch.query_start_loc = torch.cat([batch.query_start_loc, batch.query_start_loc[-1:]])
     batch.seq_lens = torch.cat([batch.seq_lens, torch.zeros_like(batch.seq_lens[:1])])
     batch.block_table = torch.cat([batch.block_table, batch.block_table[:1]])
