@@ -762,19 +762,20 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
   for (int b = 0; b < 2; ++b) {
     const int run = chunk_start + 16 * b;
     const int block = b ? blocks.y : blocks.x;
-    // A run without a block reads nothing: its addresses are formed from block 0 and never used.
+    // A run without a block reads nothing: its addresses are formed from block 0 and never used. Offsets inside a
+    // block are non-negative: added as unsigned 32-bit values, they need no sign extension.
     const int entry = run_entry(p, run, head);
     const uint8_t* k_block = p.key_cache + static_cast<int64_t>(max(block, 0)) * p.key_block_stride;
     const uint8_t* v_block = p.value_cache + static_cast<int64_t>(max(block, 0)) * p.value_block_stride;
-    const uint8_t* k_data = k_block + entry * S::K_ROW + lane.k_data;
-    const uint8_t* k_scales = k_block + data_bytes + entry * (D / 16) + lane.k_scales;
-    const uint8_t* v_data = v_block + entry * (D / 2) + lane.v_data;
-    const uint8_t* v_scales = v_block + data_bytes + entry * (D / 16);
+    const uint8_t* k_data = k_block + static_cast<uint32_t>(entry * S::K_ROW + lane.k_data);
+    const uint8_t* k_scales = k_block + static_cast<uint32_t>(data_bytes + entry * (D / 16) + lane.k_scales);
+    const uint8_t* v_data = v_block + static_cast<uint32_t>(entry * (D / 2) + lane.v_data);
+    const uint8_t* v_scales = v_block + static_cast<uint32_t>(data_bytes + entry * (D / 16));
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int pos = run + sigma + 2 * r;
       const bool read = WHOLE || (block >= 0 && pos >= lo && pos < hi);
-      const uint8_t* src = read ? k_data + 2 * r * step * S::K_ROW : p.key_cache;
+      const uint8_t* src = read ? k_data + static_cast<uint32_t>(2 * r * step * S::K_ROW) : p.key_cache;
 #pragma unroll
       for (int piece = 0; piece < L::K_PIECES; ++piece)
         copy_async<L::K_PIECE>(slot + L::K_DATA + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane_id) * L::K_PIECE,
@@ -783,7 +784,9 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
 #pragma unroll
         for (int piece = 0; piece < L::K_PIECES; ++piece)
           copy_async<4>(slot + L::K_SCALES + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane_id) * 4,
-                        read ? k_scales + 2 * r * step * (D / 16) + L::piece_offset(0, piece) / 8 : p.key_cache, read);
+                        read ? k_scales + static_cast<uint32_t>(2 * r * step * (D / 16) + L::piece_offset(0, piece) / 8)
+                             : p.key_cache,
+                        read);
     }
     uint32_t valid = 0;  // bit i: key run + 4t + i is read
 #pragma unroll
@@ -792,13 +795,13 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
       const bool read = WHOLE || (block >= 0 && pos >= lo && pos < hi);
       valid |= static_cast<uint32_t>(read) << i;
       copy_async<S::V_BYTES>(slot + L::V_DATA + ((4 * b + i) * WARP + lane_id) * S::V_BYTES,
-                             read ? v_data + i * step * (D / 2) : p.value_cache, read);
+                             read ? v_data + static_cast<uint32_t>(i * step * (D / 2)) : p.value_cache, read);
     }
     const bool scales_read = WHOLE || (SWIZZLE ? valid != 0 : (valid >> (g % 4) & 1u) != 0);
 #pragma unroll
     for (int q = 0; q < S::V_GROUPS; ++q)
       copy_async<4>(slot + L::V_SCALES + ((b * S::V_GROUPS + q) * WARP + lane_id) * 4,
-                    scales_read ? v_scales + lane.v_scales[q] : p.value_cache, scales_read);
+                    scales_read ? v_scales + static_cast<uint32_t>(lane.v_scales[q]) : p.value_cache, scales_read);
   }
 }
 
