@@ -776,8 +776,9 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
     // A run without a block reads nothing: its addresses are formed from block 0 and never used. Offsets inside a
     // block are non-negative: added as unsigned 32-bit values, they need no sign extension.
     const int entry = run_entry(p, run, head);
-    const uint8_t* k_block = p.key_cache + static_cast<int64_t>(max(block, 0)) * p.key_block_stride;
-    const uint8_t* v_block = p.value_cache + static_cast<int64_t>(max(block, 0)) * p.value_block_stride;
+    const uint32_t block_index = max(block, 0);
+    const uint8_t* k_block = p.key_cache + block_index * p.key_block_stride;
+    const uint8_t* v_block = p.value_cache + block_index * p.value_block_stride;
     const uint8_t* k_data = k_block + static_cast<uint32_t>(entry * S::K_ROW + lane.k_data);
     const uint8_t* k_scales = k_block + static_cast<uint32_t>(data_bytes + entry * (D / 16) + lane.k_scales);
     const uint8_t* v_data = v_block + static_cast<uint32_t>(entry * (D / 2) + lane.v_data);
