@@ -145,6 +145,17 @@ __device__ __forceinline__ void e4m3x4_to_half2(uint32_t x, uint32_t& lo, uint32
 #endif
 }
 
+// Four E4M3 scale bytes as the float16 pairs (byte 0, byte 1) and (byte 2, byte 3), as scale_pair makes them (NaN
+// included); from SM89 the conversion reads the high half in place, so it needs no shift.
+__device__ __forceinline__ void scale_pairs(uint32_t four_bytes, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  e4m3x4_to_half2(four_bytes, lo, hi);
+#else
+  lo = scale_pair(four_bytes & 0xFFFFu);
+  hi = scale_pair(four_bytes >> 16);
+#endif
+}
+
 // Eight FP8 key bytes of one 8-element group (`lo`: elements 0..3, `hi`: 4..7) as the float16 pairs code_pairs
 // makes of a code word: h[I] = (element I, element I + 4).
 __device__ __forceinline__ void fp8_pairs(uint32_t lo, uint32_t hi, uint32_t (&h)[4]) {
@@ -763,19 +774,21 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
   for (int b = 0; b < 2; ++b) {
     const int run = chunk_start + 16 * b;
     const int block = b ? blocks.y : blocks.x;
-    // A run without a block reads nothing: its addresses are formed from block 0 and never used.
+    // A run without a block reads nothing: its addresses are formed from block 0 and never used. Offsets inside a
+    // block are non-negative: added as unsigned 32-bit values, they need no sign extension.
     const int entry = run_entry(p, run, head);
-    const uint8_t* k_block = p.key_cache + static_cast<int64_t>(max(block, 0)) * p.key_block_stride;
-    const uint8_t* v_block = p.value_cache + static_cast<int64_t>(max(block, 0)) * p.value_block_stride;
-    const uint8_t* k_data = k_block + entry * S::K_ROW + lane.k_data;
-    const uint8_t* k_scales = k_block + data_bytes + entry * (D / 16) + lane.k_scales;
-    const uint8_t* v_data = v_block + entry * (D / 2) + lane.v_data;
-    const uint8_t* v_scales = v_block + data_bytes + entry * (D / 16);
+    const uint32_t block_index = max(block, 0);
+    const uint8_t* k_block = p.key_cache + block_index * p.key_block_stride;
+    const uint8_t* v_block = p.value_cache + block_index * p.value_block_stride;
+    const uint8_t* k_data = k_block + static_cast<uint32_t>(entry * S::K_ROW + lane.k_data);
+    const uint8_t* k_scales = k_block + static_cast<uint32_t>(data_bytes + entry * (D / 16) + lane.k_scales);
+    const uint8_t* v_data = v_block + static_cast<uint32_t>(entry * (D / 2) + lane.v_data);
+    const uint8_t* v_scales = v_block + static_cast<uint32_t>(data_bytes + entry * (D / 16));
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int pos = run + sigma + 2 * r;
       const bool read = WHOLE || (block >= 0 && pos >= lo && pos < hi);
-      const uint8_t* src = read ? k_data + 2 * r * step * S::K_ROW : p.key_cache;
+      const uint8_t* src = read ? k_data + static_cast<uint32_t>(2 * r * step * S::K_ROW) : p.key_cache;
 #pragma unroll
       for (int piece = 0; piece < L::K_PIECES; ++piece)
         copy_async<L::K_PIECE>(slot + L::K_DATA + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane_id) * L::K_PIECE,
@@ -784,7 +797,9 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
 #pragma unroll
         for (int piece = 0; piece < L::K_PIECES; ++piece)
           copy_async<4>(slot + L::K_SCALES + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane_id) * 4,
-                        read ? k_scales + 2 * r * step * (D / 16) + L::piece_offset(0, piece) / 8 : p.key_cache, read);
+                        read ? k_scales + static_cast<uint32_t>(2 * r * step * (D / 16) + L::piece_offset(0, piece) / 8)
+                             : p.key_cache,
+                        read);
     }
     uint32_t valid = 0;  // bit i: key run + 4t + i is read
 #pragma unroll
@@ -793,13 +808,13 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
       const bool read = WHOLE || (block >= 0 && pos >= lo && pos < hi);
       valid |= static_cast<uint32_t>(read) << i;
       copy_async<S::V_BYTES>(slot + L::V_DATA + ((4 * b + i) * WARP + lane_id) * S::V_BYTES,
-                             read ? v_data + i * step * (D / 2) : p.value_cache, read);
+                             read ? v_data + static_cast<uint32_t>(i * step * (D / 2)) : p.value_cache, read);
     }
     const bool scales_read = WHOLE || (SWIZZLE ? valid != 0 : (valid >> (g % 4) & 1u) != 0);
 #pragma unroll
     for (int q = 0; q < S::V_GROUPS; ++q)
       copy_async<4>(slot + L::V_SCALES + ((b * S::V_GROUPS + q) * WARP + lane_id) * 4,
-                    scales_read ? v_scales + lane.v_scales[q] : p.value_cache, scales_read);
+                    scales_read ? v_scales + static_cast<uint32_t>(lane.v_scales[q]) : p.value_cache, scales_read);
   }
 }
 
@@ -856,27 +871,22 @@ __device__ __forceinline__ void read_v_scales(uint32_t (&v_scales)[DecodeShape<D
   }
 }
 
-// This lane's K scale bytes of key r of run b, in the order of its code words (one scale a 16 codes).
+// This lane's K block scales of key r of run b, in the order of its code words (one scale a 16 codes), each as a
+// float16 pair (scale j, scale j) in sf[j]: one byte permute picks a word's scale bytes and doubles them, and the
+// conversions of its two halves make the pairs.
 template <int D, bool FP8>
-__device__ __forceinline__ uint32_t k_scale_bytes(const uint8_t* slot, int b, int r) {
+__device__ __forceinline__ void k_scale_splats(const uint8_t* slot, int b, int r, uint32_t (&sf)[4]) {
   using L = DecodeSlot<D, FP8>;
   const int lane = threadIdx.x % WARP, t = lane & 3;
   uint32_t words[L::K_PIECES];  // per piece, the aligned word holding its scale bytes
 #pragma unroll
   for (int piece = 0; piece < L::K_PIECES; ++piece)
     read_own<4>(&words[piece], slot + L::K_SCALES + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane) * 4);
-  const int first = (L::piece_offset(t, 0) / 8) & 3;  // the first piece's first scale byte in its word
-  if constexpr (L::K_PIECES == 1)
-    return words[0] >> (8 * first);
-  else  // head 256: two bytes of each piece's word
-    return __byte_perm(words[0], words[1], first ? 0x7632 : 0x5410);
-}
-
-// Two E4M3 scale bytes as float16 pairs (s0, s0) and (s1, s1).
-__device__ __forceinline__ void scale_splat(uint32_t two_bytes, uint32_t& s0, uint32_t& s1) {
-  const uint32_t h = scale_pair(two_bytes & 0xFFFFu);
-  s0 = __byte_perm(h, h, 0x1010);
-  s1 = __byte_perm(h, h, 0x3232);
+  const uint32_t first = (L::piece_offset(t, 0) / 8) & 3;  // the first piece's first scale byte in its word
+  const uint32_t doubled = 0x1100u + 0x1111u * first;      // bytes first, first, first + 1, first + 1
+#pragma unroll
+  for (int piece = 0; piece < L::K_PIECES; ++piece)  // head 256: two bytes of each piece's word
+    scale_pairs(__byte_perm(words[piece], 0, doubled), sf[2 * piece], sf[2 * piece + 1]);
 }
 
 // The first key a decode request's rows see: its window's start, or 0.
@@ -1012,11 +1022,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
       } else {
         uint32_t sf[2][4];  // [key][scale byte], splatted
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const uint32_t scales = k_scale_bytes<D, FP8>(slot, b, r);
-          scale_splat(scales, sf[r][0], sf[r][1]);
-          if constexpr (D == 256) scale_splat(scales >> 16, sf[r][2], sf[r][3]);
-        }
+        for (int r = 0; r < 2; ++r) k_scale_splats<D, FP8>(slot, b, r, sf[r]);
 #pragma unroll
         for (int u = 0; u < S::K_WORDS; ++u) {
           const uint32_t w0 = k[0][u], w1 = k[1][u];
@@ -1112,7 +1118,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
 #pragma unroll
       for (int u = 0; u < S::V_WORDS; ++u) {
         const uint32_t scales = v_scales[u >> 1];
-        const uint32_t sf01 = scale_pair(scales & 0xFFFFu), sf23 = scale_pair(scales >> 16);
+        uint32_t sf01, sf23;
+        scale_pairs(scales, sf01, sf23);
         const uint32_t halves[2][2] = {{__byte_perm(v[0][u], v[1][u], 0x5410), __byte_perm(v[2][u], v[3][u], 0x5410)},
                                        {__byte_perm(v[0][u], v[1][u], 0x7632), __byte_perm(v[2][u], v[3][u], 0x7632)}};
 #pragma unroll
