@@ -6,7 +6,9 @@ variable `VLLM_NVFP4_CUDA_READER` (`resolved_reader`):
 
 - "plugin" (default): the plugin's `nvfp4_paged_attention` kernel. It needs no host sync and plans its launch from vLLM's
   host-side length bounds, so the builder declares CUDA-graph support for uniform single-token decode batches
-  (FULL graphs). On the H200 it decodes faster than fa2 (benchmarks/results/cuda_attention.md).
+  (FULL graphs), whose tokens equal eager steps' (it splits each request by its own length, not by the bound;
+  benchmarks/results/vllm_cuda_engines.md). On the H200 it decodes faster than fa2
+  (benchmarks/results/cuda_attention.md).
 - "fa2": FlashInfer's fa2 decode for the leading decode requests (no CUDA graphs: its plan reads lengths on the
   host).
 
