@@ -411,6 +411,16 @@ struct E4m3Values {
 };
 const E4m3Values E4M3;
 
+// E2M1_VALUES times the e4m3 value of every scale byte: a value group's 16 possible values are one table load, not
+// a broadcast and a multiply (16 KB, which stays in L1).
+struct ScaledE2m1 {
+  alignas(64) float row[256][TILE];
+  ScaledE2m1() {
+    for (int code = 0; code < 256; ++code) store(simd::E2M1_VALUES * E4M3.value[code], row[code]);
+  }
+};
+const ScaledE2m1 SCALED_E2M1;
+
 // Where a tile's keys sit: per key, its codes (FP8 keys: its bytes) and scales on both sides. Tiles start at multiples
 // of TILE, so a key has the same lane whatever range of keys is read; lanes outside [first, n) hold no key and are not
 // read.
@@ -666,15 +676,16 @@ template <Isa I>
 NVFP4_INLINE void decode_value_pair(const TileTokens& t, int j, int c, f32x16& even, f32x16& odd) {
   const uint8_t* scales = t.value_scales[j];
   const int64_t* delta = t.value_delta[j];
-  const f32x16 first = broadcast(E4M3.value[scales[delta[2 * c]]]);
-  const f32x16 second = broadcast(E4M3.value[scales[delta[2 * c + 1]]]);
   const u32x16 codes = Widen<I>::bytes(t.value_data[j] + 16 * c);
   if constexpr (I >= Isa::Avx512) {
     const u32x16 second_group = {0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
-    const f32x16 first_values = simd::E2M1_VALUES * first, second_values = simd::E2M1_VALUES * second;
+    const f32x16 first_values = load(SCALED_E2M1.row[scales[delta[2 * c]]]);
+    const f32x16 second_values = load(SCALED_E2M1.row[scales[delta[2 * c + 1]]]);
     even = __builtin_shuffle(first_values, second_values, (codes & 0xFu) | second_group);
     odd = __builtin_shuffle(first_values, second_values, (codes >> 4) | second_group);
   } else {
+    const f32x16 first = broadcast(E4M3.value[scales[delta[2 * c]]]);
+    const f32x16 second = broadcast(E4M3.value[scales[delta[2 * c + 1]]]);
     const f32x16 sf = __builtin_shufflevector(first, second, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
     even = e2m1_values<I>(codes) * sf;
     odd = e2m1_values<I>(codes >> 4) * sf;
