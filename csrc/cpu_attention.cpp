@@ -25,7 +25,8 @@
 // all its scores first, keys by pairs, so that a pair's max over the split is a vector maximum, then its
 // probabilities against that max (2^x of logits in log2 units) and their weighted sums in tiles that hold them for
 // the whole split, never rescaled. Requests of fewer than
-// AMX_MIN_ROWS query rows take the AVX512-BF16 code on such a CPU (tiles made decode slower), so there a decode row,
+// AMX_MIN_ROWS query rows take the AVX512-BF16 code on such a CPU, with a tile product per group of 16 dimensions
+// for its scores (Amx::group_scores; tiles for the weighted sums too made decode slower), so there a decode row,
 // or a chunk that short, matches the same row in a longer step to the accuracy contract (rel-L2 1e-3), not byte
 // for byte; the other guarantees above hold for every variant.
 //
@@ -77,7 +78,7 @@ constexpr int64_t PARTIAL_FLOATS_MAX = int64_t{1} << 25;
 // costs more.
 constexpr int64_t PARALLEL_MIN_SCORES = int64_t{1} << 12;
 // Requests of fewer query rows (decode, speculative decode, short chunks) take the AVX512-BF16 code where the CPU has
-// AMX: a tile product of 16 pairs costs about as much for 3 pairs, and decode ran up to 1.6x slower on tiles.
+// AMX, with tile products for the scores only: decode ran up to 1.6x slower with tiles for the weighted sums too.
 constexpr int64_t AMX_MIN_ROWS = 16;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;
@@ -411,6 +412,16 @@ struct E4m3Values {
 };
 const E4m3Values E4M3;
 
+// E2M1_VALUES times the e4m3 value of every scale byte: a value group's 16 possible values are one table load, not
+// a broadcast and a multiply (16 KB, which stays in L1).
+struct ScaledE2m1 {
+  alignas(64) float row[256][TILE];
+  ScaledE2m1() {
+    for (int code = 0; code < 256; ++code) store(simd::E2M1_VALUES * E4M3.value[code], row[code]);
+  }
+};
+const ScaledE2m1 SCALED_E2M1;
+
 // Where a tile's keys sit: per key, its codes (FP8 keys: its bytes) and scales on both sides. Tiles start at multiples
 // of TILE, so a key has the same lane whatever range of keys is read; lanes outside [first, n) hold no key and are not
 // read.
@@ -666,15 +677,16 @@ template <Isa I>
 NVFP4_INLINE void decode_value_pair(const TileTokens& t, int j, int c, f32x16& even, f32x16& odd) {
   const uint8_t* scales = t.value_scales[j];
   const int64_t* delta = t.value_delta[j];
-  const f32x16 first = broadcast(E4M3.value[scales[delta[2 * c]]]);
-  const f32x16 second = broadcast(E4M3.value[scales[delta[2 * c + 1]]]);
   const u32x16 codes = Widen<I>::bytes(t.value_data[j] + 16 * c);
   if constexpr (I >= Isa::Avx512) {
     const u32x16 second_group = {0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
-    const f32x16 first_values = simd::E2M1_VALUES * first, second_values = simd::E2M1_VALUES * second;
+    const f32x16 first_values = load(SCALED_E2M1.row[scales[delta[2 * c]]]);
+    const f32x16 second_values = load(SCALED_E2M1.row[scales[delta[2 * c + 1]]]);
     even = __builtin_shuffle(first_values, second_values, (codes & 0xFu) | second_group);
     odd = __builtin_shuffle(first_values, second_values, (codes >> 4) | second_group);
   } else {
+    const f32x16 first = broadcast(E4M3.value[scales[delta[2 * c]]]);
+    const f32x16 second = broadcast(E4M3.value[scales[delta[2 * c + 1]]]);
     const f32x16 sf = __builtin_shufflevector(first, second, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
     even = e2m1_values<I>(codes) * sf;
     odd = e2m1_values<I>(codes >> 4) * sf;
@@ -786,6 +798,46 @@ struct Amx {
     asm volatile("ldtilecfg %0" ::"m"(config));
   }
   static void release() { asm volatile("tilerelease" ::: "memory"); }
+
+  // Decode's tiles (group_scores): as many rows as the unit has pairs, up to 16; tile 0 one group's scores, 1 the
+  // queries' 8 dimension pairs of the group, 2 the keys' (8 rows of 16 keys).
+  static void configure_scores(int64_t pairs) {
+    Config config = {};
+    config.palette = 1;
+    const auto rows = static_cast<uint8_t>(std::min<int64_t>(16, pairs));
+    config.rows[0] = rows;
+    config.bytes_per_row[0] = 64;
+    config.rows[1] = rows;
+    config.bytes_per_row[1] = 32;
+    config.rows[2] = 8;
+    config.bytes_per_row[2] = 64;
+    asm volatile("ldtilecfg %0" ::"m"(config));
+  }
+
+  // Scores of pairs [first, last) over decode_keys' unscaled bf16 pairs (the AVX512-BF16 layout), into
+  // scratch.probs: a tile product per group of 16 dimensions, then each group's block scales as pair_scores_bf16
+  // applies them. On Intel cores vdpbf16ps occupies the shuffle port for two cycles; a tile product of up to 16
+  // pairs and 16 keys replaces the 8 a group takes per 4 pairs.
+  template <int D>
+  static void group_scores(const Scratch& scratch, const f32x16 (&scales)[D / NVFP4_GROUP], int64_t first,
+                           int64_t last) {
+    constexpr int GROUPS = D / NVFP4_GROUP;
+    alignas(64) float sums[GROUPS][16][TILE];
+    for (int64_t p0 = first; p0 < last; p0 += 16) {
+      for (int s = 0; s < GROUPS; ++s) {
+        NVFP4_TILE_ZERO(0);
+        NVFP4_TILE_LOAD(1, scratch.q_bf16.get() + p0 * D / 2 + 8 * s, 2 * D);
+        NVFP4_TILE_LOAD(2, scratch.keys.get() + 8 * s * TILE, 4 * TILE);
+        NVFP4_TILE_DOT(0, 1, 2);
+        NVFP4_TILE_STORE(0, sums[s][0], 4 * TILE);
+      }
+      for (int64_t p = p0; p < std::min(last, p0 + 16); ++p) {
+        f32x16 score = {};
+        for (int s = 0; s < GROUPS; ++s) score = Fma<Isa::Amx>::apply(load(sums[s][p - p0]), scales[s], score);
+        store(score, scratch.probs.get() + p * TILE);
+      }
+    }
+  }
 
   // Scores of pairs [first, last), 16 at a time, into scratch.probs: the bf16 queries times decode_keys' keys
   // (scaled to bf16, exact), every product exact, float32 sums.
@@ -1113,8 +1165,9 @@ struct Amx {
 };
 #endif
 
-// One split of one unit: the state of every pair whose row sees the split (the others keep l = 0).
-template <Isa I, int D>
+// One split of one unit: the state of every pair whose row sees the split (the others keep l = 0). TILE_SCORES:
+// the AVX512-BF16 code with Amx::group_scores for the scores.
+template <Isa I, int D, bool TILE_SCORES = false>
 NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split, Scratch& scratch) {
   const int64_t group = b.group, pairs = u.rows * group;
   State& st = scratch.split;
@@ -1145,6 +1198,8 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
 #if NVFP4_X86
     if constexpr (I == Isa::Amx)
       Amx::scores<D>(scratch, first, last);
+    else if constexpr (TILE_SCORES)
+      Amx::group_scores<D>(scratch, key_scales, first, last);
     else
 #endif
       tile_scores<I, D>(scratch, key_scales, first, last);
@@ -1215,6 +1270,15 @@ NVFP4_TARGET_AMX __attribute__((flatten)) void attend_split_amx(const Batch& b, 
     attend_split_impl<Isa::Amx, D>(b, u, s, scratch);
   Amx::release();
 }
+
+// Decode where the CPU has AMX: the AVX512-BF16 code, its scores tile products (Amx::group_scores).
+template <int D>
+NVFP4_TARGET_AMX __attribute__((flatten)) void attend_split_amx_scores(const Batch& b, const Unit& u, int64_t s,
+                                                                       Scratch& scratch) {
+  Amx::configure_scores(u.rows * b.group);
+  attend_split_impl<Isa::Avx512Bf16, D, true>(b, u, s, scratch);
+  Amx::release();
+}
 #endif
 
 // bf16_scores: the queries are bf16 and the keys NVFP4, so AMX tile products (tiles: where the CPU has them) or
@@ -1222,7 +1286,7 @@ NVFP4_TARGET_AMX __attribute__((flatten)) void attend_split_amx(const Batch& b, 
 template <int D>
 AttendSplit attend_split_for_cpu(bool bf16_scores, bool tiles) {
 #if NVFP4_X86
-  if (bf16_scores && tiles && cpu_isa() == Isa::Amx) return attend_split_amx<D>;
+  if (bf16_scores && cpu_isa() == Isa::Amx) return tiles ? attend_split_amx<D> : attend_split_amx_scores<D>;
   if (bf16_scores && cpu_isa() >= Isa::Avx512Bf16) return attend_split_avx512bf16<D>;
   if (cpu_isa() >= Isa::Avx512) return attend_split_avx512<D>;
   if (cpu_isa() == Isa::Avx2) return attend_split_avx2<D>;

@@ -414,9 +414,9 @@ def test_instruction_set_variants_agree(isa):
 
 @pytest.mark.skipif(not AMX, reason="this CPU has no AMX-BF16, so the AMX variant cannot run here (the others are tested)")
 def test_amx_variant_runs_where_the_cpu_has_it():
-    """bf16 queries over NVFP4 keys of requests of 16 query rows or more take the AMX tile products by default here
-    (the test above checks them against the reference): their bytes differ from the forced AVX512-BF16 variant's,
-    whose float32 sums run in another order. float32 and fp16 queries and FP8 keys take the same code in both."""
+    """bf16 queries over NVFP4 keys take AMX tile products by default here, requests of 16 query rows or more for
+    scores and weighted sums, shorter ones for the scores (the test above checks them against the reference): their
+    bytes differ from the forced AVX512-BF16 variant's, whose float32 sums run in another order. float32 and fp16 queries and FP8 keys take the same code in both."""
     best = pickle.loads(run_script(ISA_SCRIPT))
     forced = pickle.loads(run_script(ISA_SCRIPT, VLLM_NVFP4_CPU_ISA="avx512bf16"))
     differing = [i for i, ((a, _), (b, _)) in enumerate(zip(best, forced)) if a != b]
