@@ -213,11 +213,11 @@ struct Params {
   float soft_cap_log2;  // logits_soft_cap · log2(e), 0: no soft-cap
   const float* sinks;   // [q_heads] sink logits, or null
   NVFP4PageLayout layout;
-  int block_shift;      // log2(block_size) when a power of two, else -1
-  int group;            // query heads per KV head
-  int tiles_per_split;  // the fused kernel's split length, in tiles
-  int num_splits;       // the grid's splits
-  bool request_splits;  // the decode kernel: each request's own splits (decode_splits), at most num_splits
+  int block_shift;        // log2(block_size) when a power of two, else -1
+  int group;              // query heads per KV head
+  int tiles_per_split;    // the fused kernel's split length, in tiles
+  int num_splits;         // the grid's splits
+  int decode_max_splits;  // the decode kernel's splits of a request at most (decode_splits); 0 in the fused kernel
   void* out;
   int64_t out_token_stride, out_head_stride;
   float* partial_out;  // [num_splits, tokens, q_heads, D] when num_splits > 1
@@ -894,14 +894,8 @@ __device__ __forceinline__ int decode_kv_lo(int seq_len, int num_q, int sliding_
   return sliding_window > 0 ? max(0, seq_len - num_q - sliding_window + 1) : 0;
 }
 
-// The chunks a decode request reads: whole chunks from the one holding kv_lo to the context's end.
-__device__ __forceinline__ int decode_chunks(int seq_len, int kv_lo) {
-  return max(0, (seq_len + DECODE_CHUNK - 1) / DECODE_CHUNK - kv_lo / DECODE_CHUNK);
-}
-
-// A decode request's split-KV partition, (chunks a split, splits): its own chunks in at most `max_splits` (the
-// grid's) runs of at least 8 chunks. The host sizes the grid for the longest request the bound allows, so for every
-// request this is min(wave fill, chunks / 8): its length alone, not the batch's host-side bound, and vLLM's eager
+// A decode request's split-KV partition, (chunks a split, splits): its own chunks in at most `max_splits` runs of
+// at least 8 chunks. It depends on the request's length alone, not on the batch's host-side bound, so vLLM's eager
 // steps and its CUDA graphs (captured for max_model_len) split a request alike and compute the same bits.
 __device__ __forceinline__ int2 decode_splits(int chunks, int max_splits) {
   const int wanted = max(1, min(max_splits, chunks / 8));
@@ -936,8 +930,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
   const int first_query_pos = seq_len - num_q;
   const int kv_lo = decode_kv_lo(seq_len, num_q, p.sliding_window);
   const int chunk0 = kv_lo / DECODE_CHUNK;
-  const int chunks = decode_chunks(seq_len, kv_lo);
-  const int2 splits = decode_splits(chunks, p.num_splits);
+  const int chunks = max(0, (seq_len + DECODE_CHUNK - 1) / DECODE_CHUNK - chunk0);
+  const int2 splits = decode_splits(chunks, min(p.decode_max_splits, static_cast<int>(gridDim.y)));
   if (split >= splits.y) return;
   const int chunk_begin = split * splits.x;
   const int chunk_end = min(chunks, chunk_begin + splits.x);
@@ -1218,7 +1212,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
 }
 
 // Merges the splits' partial outputs: one warp per (query token, query head); lanes share the splits' log-sum-exps,
-// then each lane sums its columns over the splits. After the decode kernel (p.request_splits), a token's
+// then each lane sums its columns over the splits. After the decode kernel (p.decode_max_splits > 0), a token's
 // request has its own splits (decode_splits), and one of a single split wrote its output itself.
 template <int D, typename T>
 __global__ void __launch_bounds__(ATTN_THREADS) combine_splits_kernel(Params p, int num_reqs, int q_heads) {
@@ -1229,7 +1223,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) combine_splits_kernel(Params p, 
   const int32_t* query_start_loc = p.query_start_loc;
   if (token >= min(p.num_tokens, static_cast<int64_t>(__ldg(query_start_loc + num_reqs)))) return;
   int num_splits = p.num_splits;
-  if (p.request_splits) {
+  if (p.decode_max_splits > 0) {
     int request = 0, last = num_reqs - 1;  // the last request starting at or before the token: the token's
     while (request < last) {
       const int mid = (request + last + 1) / 2;
@@ -1240,7 +1234,9 @@ __global__ void __launch_bounds__(ATTN_THREADS) combine_splits_kernel(Params p, 
     }
     const int num_q = __ldg(query_start_loc + request + 1) - __ldg(query_start_loc + request);
     const int seq_len = __ldg(p.seq_lens + request);
-    num_splits = decode_splits(decode_chunks(seq_len, decode_kv_lo(seq_len, num_q, p.sliding_window)), num_splits).y;
+    const int chunk0 = decode_kv_lo(seq_len, num_q, p.sliding_window) / DECODE_CHUNK;
+    const int chunks = max(0, (seq_len + DECODE_CHUNK - 1) / DECODE_CHUNK - chunk0);
+    num_splits = decode_splits(chunks, min(p.decode_max_splits, p.num_splits)).y;
     if (num_splits == 1) return;
   }
   const float* __restrict__ partial_out = p.partial_out;
@@ -1366,12 +1362,10 @@ void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t m
   const int64_t resident = std::max(1, per_sm) * static_cast<int64_t>(multiprocessors(query.get_device_index()));
   int64_t padded_reqs = 1;
   while (padded_reqs < num_reqs) padded_reqs *= 2;
-  const int64_t filling = wave_filling_splits(padded_reqs * p.layout.num_heads, resident, 65535);
+  p.decode_max_splits = static_cast<int>(wave_filling_splits(padded_reqs * p.layout.num_heads, resident, 65535));
   const int64_t chunk_bound =
       std::max<int64_t>(1, (visible_keys_bound(p, max_query_len, max_seq_len) + DECODE_CHUNK - 1) / DECODE_CHUNK + 1);
-  // The grid's splits: enough for the longest request, whose own are min(filling, its chunks / 8) (decode_splits).
-  const int64_t splits = std::min<int64_t>(filling, std::max<int64_t>(1, chunk_bound / 8));
-  p.request_splits = true;
+  const int64_t splits = std::min<int64_t>(p.decode_max_splits, std::max<int64_t>(1, chunk_bound / 8));
   Tensor partial_out, partial_lse;
   plan_partials(p, splits, query, partial_out, partial_lse, D);
   NVFP4_CHECK(num_reqs <= 65535 && splits <= 65535, "nvfp4_paged_attention: ", num_reqs,
