@@ -16,6 +16,8 @@
 #   bad_inputs      tests/test_bad_inputs.py
 #   doctor          python -m vllm_nvfp4_plugin.tools.doctor
 #   racecheck       compute-sanitizer racecheck over the gathers (they stage rows in shared memory)
+#   attention_racecheck  compute-sanitizer racecheck over the attention kernels (the decode kernel's per-warp rings
+#                   and merge, the fused kernel's stage ring; -k ATTENTION_RACECHECK_K picks the cases)
 #   memcheck        compute-sanitizer memcheck over the CUDA cases of tests/test_ops_cpu.py (-k MEMCHECK_K)
 #   memcheck_large  compute-sanitizer memcheck over tests/test_ops_cuda.py (-k MEMCHECK_LARGE_K)
 #   ncu             Nsight Compute (speed of light, occupancy, warp states, memory) of one call of each op
@@ -41,6 +43,13 @@ has bad_inputs && step bad_inputs 300 $PYTEST tests/test_bad_inputs.py
 has doctor && step doctor 300 python3 -m vllm_nvfp4_plugin.tools.doctor
 has racecheck && step racecheck 900 compute-sanitizer --tool racecheck --error-exitcode 1 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "gather and not opcheck" tests/test_ops_cpu.py
+# Every layout, head size and key format of both kernels, split-KV and its combine, multi-token decode (graph
+# capture is left out).
+ATTENTION_RACECHECK_CASES="decode_layouts or prefill_chunked_and_mixed or multi_token or sinks_with_splits"
+ATTENTION_RACECHECK_CASES+=" or long_context_splits or fp8_keys_decode_layouts or fp8_keys_prefill"
+has attention_racecheck && step attention_racecheck 900 compute-sanitizer --tool racecheck --error-exitcode 1 \
+  python3 -m pytest -q -m gpu -p no:cacheprovider -k "${ATTENTION_RACECHECK_K:-$ATTENTION_RACECHECK_CASES}" \
+  tests/test_paged_attention_cuda.py
 # One cudaMalloc per tensor, so memcheck sees where every tensor ends rather than a cached pool.
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 has memcheck && step memcheck 1200 compute-sanitizer --tool memcheck --error-exitcode 1 \
