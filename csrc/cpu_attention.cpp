@@ -8,7 +8,8 @@
 // one task that merges as it goes, or, for decode-sized units of a small batch, as one task per split whose
 // partials a second pass merges. Both run the same operations in the same order, so a result depends neither on
 // the plan nor on the thread count, nor on the other rows of its unit: a prompt fed in chunks gives the bytes
-// of the prompt in one step, and a decode row those of the same row in a prefill.
+// of the prompt in one step, and a decode row those of the same row in a prefill where both take the same code
+// (prefill below).
 //
 // Arithmetic, per tile of 16 keys: the keys' E2M1 codes are transposed (16 x 16 blocks of 32-bit words) so that
 // a vector holds one dimension of the 16 keys, decoded to e2m1 values and multiplied by each query's broadcast
@@ -20,15 +21,19 @@
 // as AMX-BF16 code: scores are tile products of the bf16 queries and the keys decoded to bf16 (e2m1 · SF is a bf16
 // value), so every product is exact; the weighted sums are tile products of the values decoded to bf16 and each
 // probability split into a bf16 high part plus a bf16 low part (within 2^-16 of it), float32 sums. Each output
-// element of a tile product is its own pair's sum, whatever the tile's other rows hold. For head 64 the AMX code
-// takes a split at a time (Amx::attend_split): the split's tiles are decoded once, and each group of 16 pairs takes
-// all its scores first, keys by pairs, so that a pair's max over the split is a vector maximum, then its
-// probabilities against that max (2^x of logits in log2 units) and their weighted sums in tiles that hold them for
-// the whole split, never rescaled. Requests of fewer than
-// PREFILL_MIN_ROWS query rows take the AVX512-BF16 code on such a CPU, with a tile product per group of 16 dimensions
-// for its scores (Amx::group_scores; tiles for the weighted sums too made decode slower), so there a decode row,
-// or a chunk that short, matches the same row in a longer step to the accuracy contract (rel-L2 1e-3), not byte
-// for byte; the other guarantees above hold for every variant.
+// element of a tile product is its own pair's sum, whatever the tile's other rows hold.
+//
+// Prefill of bf16 queries over NVFP4 keys (requests of PREFILL_MIN_ROWS query rows or more) takes a split at a time
+// where the CPU has AVX512-BF16 (Bf16Split; with AMX, Amx::attend_split for head 64, the per-tile AMX code for the
+// other sizes): the split's tiles are decoded once, and each group of 16 pairs, one a vector lane, takes all its
+// scores first, keys by pairs, so that a pair's max over the split is a vector maximum, then its probabilities
+// against that max (2^x of logits in log2 units) and their weighted sums, never rescaled: AVX512-BF16 dot products
+// and float32 fused multiply-adds of the probabilities by each value broadcast, or AMX tiles that hold the sums for
+// the whole split. Shorter requests take the per-tile AVX512-BF16 code on such a CPU (with AMX, a tile product per
+// group of 16 dimensions for its scores, Amx::group_scores; tiles for the weighted sums too made decode slower), so
+// there a decode row, or a chunk that short, matches the same row in a longer step to the accuracy contract
+// (rel-L2 1e-3), not byte for byte; chunks of PREFILL_MIN_ROWS rows or more give the bytes of the whole prompt, and
+// the other guarantees above hold for every variant.
 //
 // Model features. A sliding window starts a unit's keys at its first row's window: older keys, and splits and
 // tiles holding none of the unit's keys, are never read; inside a tile each row masks its own window edge. Tiles
@@ -77,8 +82,9 @@ constexpr int64_t PARTIAL_FLOATS_MAX = int64_t{1} << 25;
 // Below this many (pair, key) scores (about 0.1 ms of work) a call runs on one thread: waking the OpenMP team
 // costs more.
 constexpr int64_t PARALLEL_MIN_SCORES = int64_t{1} << 12;
-// Requests of fewer query rows (decode, speculative decode, short chunks) take the AVX512-BF16 code where the CPU has
-// AMX, with tile products for the scores only: decode ran up to 1.6x slower with tiles for the weighted sums too.
+// Requests of fewer query rows (decode, speculative decode, short chunks) take the per-tile code: a vector of 16 pairs
+// would hold a decode row's few heads, and where the CPU has AMX, decode ran up to 1.6x slower with tiles for the
+// weighted sums too.
 constexpr int64_t PREFILL_MIN_ROWS = 16;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;
