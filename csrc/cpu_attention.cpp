@@ -8,7 +8,8 @@
 // one task that merges as it goes, or, for decode-sized units of a small batch, as one task per split whose
 // partials a second pass merges. Both run the same operations in the same order, so a result depends neither on
 // the plan nor on the thread count, nor on the other rows of its unit: a prompt fed in chunks gives the bytes
-// of the prompt in one step, and a decode row those of the same row in a prefill.
+// of the prompt in one step, and a decode row those of the same row in a prefill where both take the same code
+// (prefill below).
 //
 // Arithmetic, per tile of 16 keys: the keys' E2M1 codes are transposed (16 x 16 blocks of 32-bit words) so that
 // a vector holds one dimension of the 16 keys, decoded to e2m1 values and multiplied by each query's broadcast
@@ -20,15 +21,19 @@
 // as AMX-BF16 code: scores are tile products of the bf16 queries and the keys decoded to bf16 (e2m1 · SF is a bf16
 // value), so every product is exact; the weighted sums are tile products of the values decoded to bf16 and each
 // probability split into a bf16 high part plus a bf16 low part (within 2^-16 of it), float32 sums. Each output
-// element of a tile product is its own pair's sum, whatever the tile's other rows hold. For head 64 the AMX code
-// takes a split at a time (Amx::attend_split): the split's tiles are decoded once, and each group of 16 pairs takes
-// all its scores first, keys by pairs, so that a pair's max over the split is a vector maximum, then its
-// probabilities against that max (2^x of logits in log2 units) and their weighted sums in tiles that hold them for
-// the whole split, never rescaled. Requests of fewer than
-// AMX_MIN_ROWS query rows take the AVX512-BF16 code on such a CPU, with a tile product per group of 16 dimensions
-// for its scores (Amx::group_scores; tiles for the weighted sums too made decode slower), so there a decode row,
-// or a chunk that short, matches the same row in a longer step to the accuracy contract (rel-L2 1e-3), not byte
-// for byte; the other guarantees above hold for every variant.
+// element of a tile product is its own pair's sum, whatever the tile's other rows hold.
+//
+// Prefill of bf16 queries over NVFP4 keys (requests of PREFILL_MIN_ROWS query rows or more) takes a split at a time
+// where the CPU has AVX512-BF16 (Bf16Split; with AMX, Amx::attend_split for head 64, the per-tile AMX code for the
+// other sizes): the split's tiles are decoded once, and each group of 16 pairs, one a vector lane, takes all its
+// scores first, keys by pairs, so that a pair's max over the split is a vector maximum, then its probabilities
+// against that max (2^x of logits in log2 units) and their weighted sums, never rescaled: AVX512-BF16 dot products
+// and float32 fused multiply-adds of the probabilities by each value broadcast, or AMX tiles that hold the sums for
+// the whole split. Shorter requests take the per-tile AVX512-BF16 code on such a CPU (with AMX, a tile product per
+// group of 16 dimensions for its scores, Amx::group_scores; tiles for the weighted sums too made decode slower), so
+// there a decode row, or a chunk that short, matches the same row in a longer step to the accuracy contract
+// (rel-L2 1e-3), not byte for byte; chunks of PREFILL_MIN_ROWS rows or more give the bytes of the whole prompt, and
+// the other guarantees above hold for every variant.
 //
 // Model features. A sliding window starts a unit's keys at its first row's window: older keys, and splits and
 // tiles holding none of the unit's keys, are never read; inside a tile each row masks its own window edge. Tiles
@@ -66,7 +71,7 @@ using torch::headeronly::ScalarType;
 constexpr int TILE = 16;            // keys a tile holds, one per vector lane
 constexpr int64_t SPLIT = 512;      // keys a split holds; splits start at multiples of SPLIT
 constexpr int64_t UNIT_PAIRS = 32;  // (query row, head) pairs a unit holds, at least one row
-// Pairs a unit holds in requests of AMX_MIN_ROWS query rows or more (prefill): a unit's pairs share each decoded
+// Pairs a unit holds in requests of PREFILL_MIN_ROWS query rows or more (prefill): a unit's pairs share each decoded
 // tile, and a causal prompt decodes each tile once for every unit after it (benchmarks/results/cpu_attention.md).
 constexpr int64_t PREFILL_UNIT_PAIRS = 192;
 // Units of at most SPLIT_UNIT_ROWS rows run one task per split when the batch has fewer than SPLIT_BATCH_UNITS
@@ -77,9 +82,10 @@ constexpr int64_t PARTIAL_FLOATS_MAX = int64_t{1} << 25;
 // Below this many (pair, key) scores (about 0.1 ms of work) a call runs on one thread: waking the OpenMP team
 // costs more.
 constexpr int64_t PARALLEL_MIN_SCORES = int64_t{1} << 12;
-// Requests of fewer query rows (decode, speculative decode, short chunks) take the AVX512-BF16 code where the CPU has
-// AMX, with tile products for the scores only: decode ran up to 1.6x slower with tiles for the weighted sums too.
-constexpr int64_t AMX_MIN_ROWS = 16;
+// Requests of fewer query rows (decode, speculative decode, short chunks) take the per-tile code: a vector of 16 pairs
+// would hold a decode row's few heads, and where the CPU has AMX, decode ran up to 1.6x slower with tiles for the
+// weighted sums too.
+constexpr int64_t PREFILL_MIN_ROWS = 16;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr float LOG2E = 1.44269504088896341f, LN2 = 0.693147180559945309f;
 
@@ -124,7 +130,7 @@ struct Unit {
   int64_t seq_len;
   int64_t key_begin, key_end;  // keys [key_begin, key_end) are seen by some row; no other key is read
   int64_t partials;            // offset of the unit's per-split partials, or -1: one task merges as it goes
-  bool tiles;  // the request has AMX_MIN_ROWS query rows or more: AMX tile products where the CPU has them
+  bool prefill;  // the request has PREFILL_MIN_ROWS query rows or more
 
   // The splits holding the unit's keys, [split_begin(), split_end()).
   int64_t split_begin() const { return key_begin / SPLIT; }
@@ -165,10 +171,10 @@ struct Scratch {
   std::unique_ptr<float[]> alpha;          // [pairs]: the factor that rescales a pair's sums for this tile
   std::unique_ptr<uint16_t[]> prob_parts;  // AMX: [16][2][TILE] bf16 high and low parts of 16 pairs' probabilities
   std::unique_ptr<float[]> tile_sums;      // AMX: [16][D] 16 pairs' weighted values of one tile
-  // AMX, head 64, allocated on first use: one split's keys and values decoded to bf16 (Amx::decode_tile), and a
-  // group of 16 pairs' logits over the split.
-  std::unique_ptr<uint16_t[]> split_keys;
-  std::unique_ptr<uint32_t[]> split_values;
+  // Prefill of bf16 queries (Bf16Split, and Amx for head 64), allocated on first use: one split's keys and values
+  // decoded (Bf16Split::decode_tile, Amx::decode_tile), and a group of 16 pairs' logits over the split.
+  std::unique_ptr<uint32_t[]> split_keys;
+  std::unique_ptr<float[]> split_values;
   std::unique_ptr<float[]> split_logits;
   State split, total;
 
@@ -184,6 +190,13 @@ struct Scratch {
         tile_sums(new float[16 * head_size]),
         split(pairs, head_size),
         total(pairs, head_size) {}
+
+  void allocate_split() {
+    if (split_keys) return;
+    split_keys.reset(new uint32_t[SPLIT * head_size / 2]);
+    split_values.reset(new float[SPLIT * head_size]);
+    split_logits.reset(new float[SPLIT * 16]);
+  }
 };
 
 // --- vector helpers -------------------------------------------------------------------------------------
@@ -766,6 +779,233 @@ NVFP4_INLINE void tile_values(const TileTokens& t, const float* probs, const flo
 }
 
 #if NVFP4_X86
+// --- bf16 queries over NVFP4 keys, prefill: a split at a time, 16 pairs a vector -----------------------------
+// The pairs of a unit in groups of 16, one lane each, so that a key's scores, logits and probabilities of the group
+// are one vector: a pair's max over the split is a vector maximum, and no softmax step needs a horizontal one.
+
+// The pairs [p0, p0 + count) of a unit over keys [key_begin, key_end) of a split: lane i sees keys [begin[i], end[i])
+// (lanes past `count` none). The group reads the tiles over [group_begin, group_end) and masks those that some lane
+// sees only in part: all but [all_begin, all_end).
+struct PairGroup {
+  int64_t count, group_begin, group_end, all_begin, all_end;
+  i32x16 begin, end;
+
+  PairGroup(const Batch& b, const Unit& u, int64_t p0, int64_t end_pair, int64_t key_begin, int64_t key_end)
+      : count(std::min<int64_t>(16, end_pair - p0)),
+        group_begin(key_end),
+        group_end(key_begin),
+        all_begin(key_begin),
+        all_end(key_end) {
+    for (int i = 0; i < 16; ++i) {
+      int64_t lo = key_begin, hi = key_begin;
+      if (i < count) {
+        const int64_t row = (p0 + i) / b.group;
+        lo = std::clamp(u.visible_begin(b, row), key_begin, key_end);
+        hi = std::clamp(u.visible_end(b, row), key_begin, key_end);
+      }
+      begin[i] = static_cast<int32_t>(lo);
+      end[i] = static_cast<int32_t>(hi);
+      if (lo < hi) {
+        group_begin = std::min(group_begin, lo);
+        group_end = std::max(group_end, hi);
+      }
+      all_begin = std::max(all_begin, lo);
+      all_end = std::min(all_end, hi);
+    }
+  }
+  bool empty() const { return group_begin >= group_end; }
+  int64_t key_first() const { return group_begin - group_begin % TILE; }  // the first tile's first key
+  int64_t tiles() const { return (group_end - key_first() + TILE - 1) / TILE; }
+  // Whether the tile starting at key0 needs its keys masked lane by lane.
+  bool masked(int64_t key0) const { return key0 < all_begin || key0 + TILE > all_end; }
+  // Lane i: whether pair i sees `key`.
+  NVFP4_TARGET_AVX512_BF16 u32x16 sees(int64_t key) const {
+    const __m512i k = _mm512_set1_epi32(static_cast<int32_t>(key));
+    const __mmask16 inside = _mm512_cmpge_epi32_mask(k, __builtin_bit_cast(__m512i, begin)) &
+                             _mm512_cmplt_epi32_mask(k, __builtin_bit_cast(__m512i, end));
+    return __builtin_bit_cast(u32x16, _mm512_movm_epi32(inside));
+  }
+};
+
+struct Bf16Split {
+  typedef uint16_t u16x32 __attribute__((vector_size(64)));
+
+  // Dimensions 32c..32c+31 of key j as bf16, in decode_values' order (the 16 even ones, then the 16 odd ones):
+  // e2m1 · SF is a bf16 value, so a 32-entry table of the two groups' products' high halves that the codes index.
+  NVFP4_TARGET_AVX512_BF16 static inline u16x32 value_row(const TileTokens& t, int j, int c) {
+    const uint8_t* scales = t.value_scales[j];
+    const int64_t* delta = t.value_delta[j];
+    return bf16_row(t.value_data[j] + 16 * c, E4M3.value[scales[delta[2 * c]]], E4M3.value[scales[delta[2 * c + 1]]]);
+  }
+  // The 32 dimensions whose codes are the 16 bytes at `codes` (the low nibbles, then the high ones), times the scale
+  // of their group (the first 8 bytes' or the last 8 bytes').
+  NVFP4_TARGET_AVX512_BF16 static inline u16x32 bf16_row(const uint8_t* codes, float first_scale, float second_scale) {
+    const f32x16 first = simd::E2M1_VALUES * first_scale;
+    const f32x16 second = simd::E2M1_VALUES * second_scale;
+    const u16x32 table = __builtin_shufflevector(__builtin_bit_cast(u16x32, first), __builtin_bit_cast(u16x32, second),
+                                                 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37,
+                                                 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63);
+    simd::u8x16 bytes;
+    std::memcpy(&bytes, codes, sizeof bytes);
+    const simd::u16x16 nibbles = __builtin_convertvector(bytes, simd::u16x16);
+    const u16x32 second_group = {0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16,
+                                 0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
+    const u16x32 index =
+        __builtin_shufflevector(nibbles & 0xF, nibbles >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                                17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) |
+        second_group;
+    return __builtin_bit_cast(
+        u16x32, _mm512_permutexvar_epi16(__builtin_bit_cast(__m512i, index), __builtin_bit_cast(__m512i, table)));
+  }
+
+  // 2^x (Cephes' exp2f: x = n + f, |f| <= 1/2, 1 + f · P(f) of degree 6, times 2^n by vscalefps), within 2 ulp;
+  // 0 far below 2^-126, as the thread flushes denormals. Half the instructions of exp_nonpositive.
+  NVFP4_TARGET_AVX512_BF16 static inline f32x16 pow2(f32x16 x) {
+    const __m512 v = __builtin_bit_cast(__m512, x);
+    const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const f32x16 f = __builtin_bit_cast(f32x16, _mm512_sub_ps(v, n));
+    using F = Fma<Isa::Avx512Bf16>;
+    f32x16 y = F::apply(broadcast(1.535336188319500e-4f), f, broadcast(1.339887440266574e-3f));
+    y = F::apply(y, f, broadcast(9.618437357674640e-3f));
+    y = F::apply(y, f, broadcast(5.550332471162809e-2f));
+    y = F::apply(y, f, broadcast(2.402264791363012e-1f));
+    y = F::apply(y, f, broadcast(6.931472028550421e-1f));
+    y = F::apply(y, f, broadcast(1.0f));
+    return __builtin_bit_cast(f32x16, _mm512_scalef_ps(__builtin_bit_cast(__m512, y), n));
+  }
+
+
+  // queries[c][r][i]: dimensions 2r and 2r + 1 of chunk c (32 dimensions in bf16_row's order) of pair i, for
+  // `count` pairs of float32 queries that are bf16 values; zero for pairs past them.
+  template <int D>
+  NVFP4_TARGET_AVX512_BF16 static inline void transpose_queries(const float* q, int64_t count, uint32_t* queries) {
+    for (int c = 0; c < D / 32; ++c) {
+      u32x16 words[16];
+      for (int i = 0; i < 16; ++i) {
+        words[i] = u32x16{};
+        if (i >= count) continue;
+        const u16x32 low = __builtin_bit_cast(u16x32, load(q + i * D + 32 * c));
+        const u16x32 high = __builtin_bit_cast(u16x32, load(q + i * D + 32 * c + 16));
+        // the high halves of dimensions 0, 2, ..., 30, then of 1, 3, ..., 31
+        words[i] = __builtin_bit_cast(
+            u32x16, __builtin_shufflevector(low, high, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 3,
+                                            7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63));
+      }
+      transpose_words<16>(words);
+      std::memcpy(queries + c * 16 * 16, words, sizeof words);
+    }
+  }
+
+  // Tile of keys as keys [TILE][D / 2] (bf16 pairs, bf16_row's order, scaled: exact) and values [TILE][D] (float32,
+  // decode_values' order); absent keys are 0, as their probabilities are, and 0 · NaN would not be.
+  template <int D>
+  NVFP4_TARGET_AVX512_BF16 static inline void decode_tile(const TileTokens& t, uint32_t* keys, float* values) {
+    for (int j = 0; j < TILE; ++j)
+      for (int c = 0; c < D / 32; ++c) {
+        u16x32 key = {};
+        f32x16 even = {}, odd = {};
+        if (t.first <= j && j < t.n) {
+          key = bf16_row(t.key_data[j] + 16 * c, E4M3.value[t.key_scales[j][2 * c]],
+                         E4M3.value[t.key_scales[j][2 * c + 1]]);
+          decode_value_pair<Isa::Avx512Bf16>(t, j, c, even, odd);
+        }
+        std::memcpy(keys + j * D / 2 + 16 * c, &key, sizeof key);
+        store(even, values + j * D + 32 * c);
+        store(odd, values + j * D + 32 * c + 16);
+      }
+  }
+
+  // scores[j] = the raw scores of 8 keys (keys [8][D / 2]) for the group's pairs (queries [D / 2][16], transposed):
+  // a dot product per dimension pair, the key's pair broadcast; eight chains hide the dot product's latency.
+  template <int D>
+  NVFP4_TARGET_AVX512_BF16 static inline void scores8(const uint32_t* queries, const uint32_t* keys,
+                                                      f32x16 (&scores)[8]) {
+    for (int j = 0; j < 8; ++j) scores[j] = f32x16{};
+    for (int w = 0; w < D / 2; ++w) {
+      u32x16 q;
+      std::memcpy(&q, queries + 16 * w, sizeof q);
+      for (int j = 0; j < 8; ++j) scores[j] = Bf16::dot(scores[j], q, broadcast_word(keys[j * D / 2 + w]));
+    }
+  }
+
+  // One split of one unit (attend_split_impl's contract). The split's tiles are decoded once; each group of 16 pairs
+  // takes its logits over the split (log2 units) and its max first, then its probabilities against that max, so its
+  // sums are never rescaled, then the weighted sums 16 dimensions at a time: per key, the group's probabilities times
+  // each value broadcast, one float32 fused multiply-add a (pair, dimension). What a pair gets depends on its own
+  // keys only, whichever lane and group it has.
+  template <int D>
+  NVFP4_TARGET_AVX512_BF16 static inline void attend_split(const Batch& b, const Unit& u, int64_t split,
+                                                           Scratch& scratch) {
+    State& st = scratch.split;
+    const auto [key_begin, key_end] = start_split(b, u, split, st);
+    const int64_t tile_begin = key_begin - key_begin % TILE;
+    scratch.allocate_split();
+    uint32_t* keys = scratch.split_keys.get();
+    float* values = scratch.split_values.get();
+    for (TileWalk walk(b, u, key_begin, key_end); walk.next();) {
+      const int64_t at = walk.key0() - tile_begin;
+      decode_tile<D>(walk.tokens(), keys + at * D / 2, values + at * D);
+    }
+    const float inverse_cap = b.soft_cap > 0.0f ? 1.0f / b.soft_cap : 0.0f;
+    const float log2_scale = b.score_scale * LOG2E;
+    const int64_t end_pair = u.end_row_seeing(b, key_end - 1) * b.group;
+    for (int64_t p0 = u.first_row_seeing(b, key_begin) * b.group; p0 < end_pair; p0 += 16) {
+      const PairGroup g(b, u, p0, end_pair, key_begin, key_end);
+      if (g.empty()) continue;
+      alignas(64) uint32_t queries[D / 2 * 16];
+      transpose_queries<D>(scratch.q.get() + p0 * D, g.count, queries);
+      const int64_t key_first = g.key_first(), count = g.tiles() * TILE;
+      const uint32_t* group_keys = keys + (key_first - tile_begin) * D / 2;
+      const float* group_values = values + (key_first - tile_begin) * D;
+      float* probs = scratch.split_logits.get();  // [count][16]: the logits, then the probabilities in place
+      f32x16 top = broadcast(NEG_INF);            // log2 units
+      for (int64_t j0 = 0; j0 < count; j0 += 8) {
+        f32x16 scores[8];
+        scores8<D>(queries, group_keys + j0 * D / 2, scores);
+        const int64_t key0 = key_first + j0 - j0 % TILE;
+        for (int j = 0; j < 8; ++j) {
+          f32x16 logit;
+          if (b.soft_cap > 0.0f)
+            logit = soft_cap<Isa::Avx512Bf16>(scores[j] * b.score_scale, b.soft_cap, inverse_cap) * LOG2E;
+          else
+            logit = scores[j] * log2_scale;
+          if (g.masked(key0))
+            logit = simd::as_f32(
+                simd::select(g.sees(key_first + j0 + j), simd::as_u32(logit), simd::as_u32(broadcast(NEG_INF))));
+          top = simd::max(top, logit);
+          store(logit, probs + (j0 + j) * 16);
+        }
+      }
+      // Keys a pair does not see (logit -inf) get probability 0.
+      f32x16 total = {};
+      for (int64_t j = 0; j < count; ++j) {
+        f32x16 p = pow2(load(probs + j * 16) - top);
+        if (g.masked(key_first + j - j % TILE)) p = simd::as_f32(simd::as_u32(p) & g.sees(key_first + j));
+        total += p;
+        store(p, probs + j * 16);
+      }
+      for (int c = 0; c < D / 16; ++c) {
+        f32x16 sums[16] = {};  // sums[d]: dimension 16c + d of each pair
+        for (int64_t j = 0; j < count; ++j) {
+          const f32x16 p = load(probs + j * 16);
+          const float* v = group_values + j * D + 16 * c;
+          for (int d = 0; d < 16; ++d) sums[d] = Fma<Isa::Avx512Bf16>::apply(broadcast(v[d]), p, sums[d]);
+        }
+        u32x16 words[16];
+        for (int d = 0; d < 16; ++d) words[d] = simd::as_u32(sums[d]);
+        transpose_words<16>(words);
+        for (int64_t i = 0; i < g.count; ++i) std::memcpy(st.acc.get() + (p0 + i) * D + 16 * c, &words[i], 64);
+      }
+      for (int64_t i = 0; i < g.count; ++i) {
+        st.m[p0 + i] = top[i] * LN2;
+        st.l[p0 + i] = total[i];
+      }
+    }
+  }
+};
+#endif
+
+#if NVFP4_X86
 // AMX-BF16 tile products for bf16 queries over NVFP4 keys, every tile 16 rows of 64 bytes. Tiles: 0 scores (16 pairs
 // x 16 keys, float32), 1 queries (16 pairs x 32 dimensions, bf16), 2 keys (16 dimension pairs x 16 keys), 3 the
 // probabilities (16 pairs x their bf16 high parts of 16 keys, then their low parts), 4 values (8 key pairs x 16
@@ -854,34 +1094,6 @@ struct Amx {
     }
   }
 
-  // Dimensions 32c..32c+31 of key j as bf16, in decode_values' order (the 16 even ones, then the 16 odd ones):
-  // e2m1 · SF is a bf16 value, so a 32-entry table of the two groups' products' high halves that the codes index.
-  NVFP4_TARGET_AMX static inline u16x32 value_row(const TileTokens& t, int j, int c) {
-    const uint8_t* scales = t.value_scales[j];
-    const int64_t* delta = t.value_delta[j];
-    return bf16_row(t.value_data[j] + 16 * c, E4M3.value[scales[delta[2 * c]]], E4M3.value[scales[delta[2 * c + 1]]]);
-  }
-  // The 32 dimensions whose codes are the 16 bytes at `codes` (the low nibbles, then the high ones), times the scale
-  // of their group (the first 8 bytes' or the last 8 bytes').
-  NVFP4_TARGET_AMX static inline u16x32 bf16_row(const uint8_t* codes, float first_scale, float second_scale) {
-    const f32x16 first = simd::E2M1_VALUES * first_scale;
-    const f32x16 second = simd::E2M1_VALUES * second_scale;
-    const u16x32 table = __builtin_shufflevector(__builtin_bit_cast(u16x32, first), __builtin_bit_cast(u16x32, second),
-                                                 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37,
-                                                 39, 41, 43, 45, 47, 49, 51, 53, 55, 57, 59, 61, 63);
-    simd::u8x16 bytes;
-    std::memcpy(&bytes, codes, sizeof bytes);
-    const simd::u16x16 nibbles = __builtin_convertvector(bytes, simd::u16x16);
-    const u16x32 second_group = {0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16,
-                                 0, 0, 0, 0, 0, 0, 0, 0, 16, 16, 16, 16, 16, 16, 16, 16};
-    const u16x32 index =
-        __builtin_shufflevector(nibbles & 0xF, nibbles >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
-                                17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31) |
-        second_group;
-    return __builtin_bit_cast(
-        u16x32, _mm512_permutexvar_epi16(__builtin_bit_cast(__m512i, index), __builtin_bit_cast(__m512i, table)));
-  }
-
   // values[n][r][l]: keys 2r and 2r + 1 (low and high half) at the dimension of column l of block n, blocks in
   // decode_values' order (16 even dimensions of 32, then the 16 odd ones); rows 8-15 repeat rows 0-7, for the low
   // parts of the probabilities. Absent keys are 0: their probabilities are 0, and 0 · NaN would not be.
@@ -891,7 +1103,7 @@ struct Amx {
       for (int c = 0; c < D / 32; ++c) {
         u16x32 rows[2] = {};
         for (int h = 0; h < 2; ++h)
-          if (t.first <= 2 * r + h && 2 * r + h < t.n) rows[h] = value_row(t, 2 * r + h, c);
+          if (t.first <= 2 * r + h && 2 * r + h < t.n) rows[h] = Bf16Split::value_row(t, 2 * r + h, c);
         const u16x32 evens =
             __builtin_shufflevector(rows[0], rows[1], 0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9,
                                     41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47);
@@ -948,30 +1160,6 @@ struct Amx {
   // both. The group's scores of the whole split are taken first, so that each pair's probabilities are taken
   // against its max over the split and the sums are never rescaled; what a pair gets depends on its own keys only.
 
-  // 2^x (Cephes' exp2f: x = n + f, |f| <= 1/2, 1 + f · P(f) of degree 6, times 2^n by vscalefps), within 2 ulp;
-  // 0 far below 2^-126, as the thread flushes denormals. Half the instructions of exp_nonpositive.
-  NVFP4_TARGET_AMX static inline f32x16 pow2(f32x16 x) {
-    const __m512 v = __builtin_bit_cast(__m512, x);
-    const __m512 n = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const f32x16 f = __builtin_bit_cast(f32x16, _mm512_sub_ps(v, n));
-    using F = Fma<Isa::Amx>;
-    f32x16 y = F::apply(broadcast(1.535336188319500e-4f), f, broadcast(1.339887440266574e-3f));
-    y = F::apply(y, f, broadcast(9.618437357674640e-3f));
-    y = F::apply(y, f, broadcast(5.550332471162809e-2f));
-    y = F::apply(y, f, broadcast(2.402264791363012e-1f));
-    y = F::apply(y, f, broadcast(6.931472028550421e-1f));
-    y = F::apply(y, f, broadcast(1.0f));
-    return __builtin_bit_cast(f32x16, _mm512_scalef_ps(__builtin_bit_cast(__m512, y), n));
-  }
-
-  // Lane i: whether pair i, which sees keys [begin[i], end[i]), sees `key`.
-  NVFP4_TARGET_AMX static inline u32x16 seen(i32x16 begin, i32x16 end, int64_t key) {
-    const __m512i k = _mm512_set1_epi32(static_cast<int32_t>(key));
-    const __mmask16 inside = _mm512_cmpge_epi32_mask(k, __builtin_bit_cast(__m512i, begin)) &
-                             _mm512_cmplt_epi32_mask(k, __builtin_bit_cast(__m512i, end));
-    return __builtin_bit_cast(u32x16, _mm512_movm_epi32(inside));
-  }
-
   // Tile t of the split as keys [TILE][D] (bf16_row's order) and values [D / 16][16][TILE]: block n, dimension d
   // (decode_values' order), key j twice; absent keys are 0.
   template <int D>
@@ -981,9 +1169,9 @@ struct Amx {
       for (int j = 0; j < TILE; ++j) {
         u16x32 key = {}, value = {};
         if (t.first <= j && j < t.n) {
-          key = bf16_row(t.key_data[j] + 16 * c, E4M3.value[t.key_scales[j][2 * c]],
-                         E4M3.value[t.key_scales[j][2 * c + 1]]);
-          value = value_row(t, j, c);
+          key = Bf16Split::bf16_row(t.key_data[j] + 16 * c, E4M3.value[t.key_scales[j][2 * c]],
+                                    E4M3.value[t.key_scales[j][2 * c + 1]]);
+          value = Bf16Split::value_row(t, j, c);
         }
         std::memcpy(keys + j * D + 32 * c, &key, sizeof key);
         for (int h = 0; h < 2; ++h) {
@@ -997,27 +1185,6 @@ struct Amx {
         transpose_words<16>(words[h]);
         std::memcpy(values + (2 * c + h) * 16 * TILE, words[h], sizeof words[h]);
       }
-    }
-  }
-
-  // queries[c][r][i]: dimensions 2r and 2r + 1 of chunk c (32 dimensions in bf16_row's order) of pair i, for
-  // `count` pairs of float32 queries that are bf16 values; zero for pairs past them.
-  template <int D>
-  NVFP4_TARGET_AMX static inline void transpose_queries(const float* q, int64_t count, uint32_t* queries) {
-    for (int c = 0; c < D / 32; ++c) {
-      u32x16 words[16];
-      for (int i = 0; i < 16; ++i) {
-        words[i] = u32x16{};
-        if (i >= count) continue;
-        const u16x32 low = __builtin_bit_cast(u16x32, load(q + i * D + 32 * c));
-        const u16x32 high = __builtin_bit_cast(u16x32, load(q + i * D + 32 * c + 16));
-        // the high halves of dimensions 0, 2, ..., 30, then of 1, 3, ..., 31
-        words[i] = __builtin_bit_cast(
-            u32x16, __builtin_shufflevector(low, high, 1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 3,
-                                            7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47, 51, 55, 59, 63));
-      }
-      transpose_words<16>(words);
-      std::memcpy(queries + c * 16 * 16, words, sizeof words);
     }
   }
 
@@ -1051,13 +1218,9 @@ struct Amx {
     State& st = scratch.split;
     const auto [key_begin, key_end] = start_split(b, u, split, st);
     const int64_t tile_begin = key_begin - key_begin % TILE;
-    if (!scratch.split_keys) {
-      scratch.split_keys.reset(new uint16_t[SPLIT * D]);
-      scratch.split_values.reset(new uint32_t[SPLIT * D]);
-      scratch.split_logits.reset(new float[SPLIT * 16]);
-    }
-    uint16_t* keys = scratch.split_keys.get();
-    uint32_t* values = scratch.split_values.get();
+    scratch.allocate_split();
+    uint16_t* keys = reinterpret_cast<uint16_t*>(scratch.split_keys.get());
+    uint32_t* values = reinterpret_cast<uint32_t*>(scratch.split_values.get());
     for (TileWalk walk(b, u, key_begin, key_end); walk.next();) {
       const int64_t at = (walk.key0() - tile_begin) * D;
       decode_tile<D>(walk.tokens(), keys + at, values + at);
@@ -1066,32 +1229,12 @@ struct Amx {
     const float log2_scale = b.score_scale * LOG2E;
     const int64_t end_pair = u.end_row_seeing(b, key_end - 1) * group;
     for (int64_t p0 = u.first_row_seeing(b, key_begin) * group; p0 < end_pair; p0 += 16) {
-      const int64_t count = std::min<int64_t>(16, end_pair - p0);
-      // Pair p0 + i sees keys [begin[i], end[i]) of the split; lanes past `count` see none. The group reads tiles
-      // [group_begin, group_end) and masks those that some lane sees only in part: all but [all_begin, all_end).
-      alignas(64) int32_t begin[16], end[16];
-      int64_t group_begin = key_end, group_end = key_begin, all_begin = key_begin, all_end = key_end;
-      for (int i = 0; i < 16; ++i) {
-        begin[i] = end[i] = static_cast<int32_t>(key_begin);
-        if (i < count) {
-          const int64_t row = (p0 + i) / group;
-          begin[i] = static_cast<int32_t>(std::clamp(u.visible_begin(b, row), key_begin, key_end));
-          end[i] = static_cast<int32_t>(std::clamp(u.visible_end(b, row), key_begin, key_end));
-        }
-        if (begin[i] < end[i]) {
-          group_begin = std::min<int64_t>(group_begin, begin[i]);
-          group_end = std::max<int64_t>(group_end, end[i]);
-        }
-        all_begin = std::max<int64_t>(all_begin, begin[i]);
-        all_end = std::min<int64_t>(all_end, end[i]);
-      }
-      if (group_begin >= group_end) continue;
-      i32x16 seen_begin, seen_end;
-      std::memcpy(&seen_begin, begin, sizeof seen_begin);
-      std::memcpy(&seen_end, end, sizeof seen_end);
+      const PairGroup g(b, u, p0, end_pair, key_begin, key_end);
+      if (g.empty()) continue;
+      const int64_t count = g.count;
 
       alignas(64) uint32_t queries[D / 2 * 16];
-      transpose_queries<D>(scratch.q.get() + p0 * D, count, queries);
+      Bf16Split::transpose_queries<D>(scratch.q.get() + p0 * D, count, queries);
       NVFP4_TILE_LOAD(1, queries, 64);
       NVFP4_TILE_LOAD(2, queries + 16 * 16, 64);
       NVFP4_TILE_ZERO(4);
@@ -1103,14 +1246,14 @@ struct Amx {
       // First the scores (tile t + 2's product, tile t's logits and max, in log2 units); then, against each pair's
       // max over the split, the probabilities of tile t and the sums of tile t - 1. A tile that some lane sees only
       // in part is masked key by key.
-      const int64_t key_first = group_begin - group_begin % TILE, tiles = (group_end - key_first + TILE - 1) / TILE;
+      const int64_t key_first = g.key_first(), tiles = g.tiles();
       float* logits = scratch.split_logits.get();  // [tiles][TILE][16], the scores in place
       for (int64_t t = 0; t < std::min<int64_t>(2, tiles); ++t)
         tile_scores(keys + (key_first + t * TILE - tile_begin) * D, logits + t * TILE * 16);
       f32x16 top = broadcast(NEG_INF);  // log2 units
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t key0 = key_first + t * TILE;
-        const bool masked = key0 < all_begin || key0 + TILE > all_end;
+        const bool masked = g.masked(key0);
         if (t + 2 < tiles) tile_scores(keys + (key0 + 2 * TILE - tile_begin) * D, logits + (t + 2) * TILE * 16);
         for (int j = 0; j < TILE; ++j) {
           float* row = logits + (t * TILE + j) * 16;
@@ -1120,8 +1263,8 @@ struct Amx {
           else
             logit = load(row) * log2_scale;
           if (masked)
-            logit = simd::as_f32(simd::select(seen(seen_begin, seen_end, key0 + j), simd::as_u32(logit),
-                                              simd::as_u32(broadcast(NEG_INF))));
+            logit = simd::as_f32(
+                simd::select(g.sees(key0 + j), simd::as_u32(logit), simd::as_u32(broadcast(NEG_INF))));
           top = simd::max(top, logit);
           store(logit, row);
         }
@@ -1130,12 +1273,12 @@ struct Amx {
       f32x16 total = {};
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t key0 = key_first + t * TILE;
-        const bool masked = key0 < all_begin || key0 + TILE > all_end;
+        const bool masked = g.masked(key0);
         // P^T row j: key j's probability of each pair as its bf16 truncation (high half) plus the rest rounded to
         // bf16 (low half), together within 2^-16 of it. Keys a pair does not see (its logit -inf) have 0.
         for (int j = 0; j < TILE; ++j) {
-          f32x16 p = pow2(load(logits + (t * TILE + j) * 16) - top);
-          if (masked) p = simd::as_f32(simd::as_u32(p) & seen(seen_begin, seen_end, key0 + j));
+          f32x16 p = Bf16Split::pow2(load(logits + (t * TILE + j) * 16) - top);
+          if (masked) p = simd::as_f32(simd::as_u32(p) & g.sees(key0 + j));
           total += p;
           const u32x16 high = simd::as_u32(p) & 0xFFFF0000u;
           const __m256bh low = _mm512_cvtneps_pbh(__builtin_bit_cast(__m512, p - simd::as_f32(high)));
@@ -1279,29 +1422,36 @@ NVFP4_TARGET_AMX __attribute__((flatten)) void attend_split_amx_scores(const Bat
   attend_split_impl<Isa::Avx512Bf16, D, true>(b, u, s, scratch);
   Amx::release();
 }
+
+template <int D>
+NVFP4_TARGET_AVX512_BF16 __attribute__((flatten)) void attend_split_avx512bf16_prefill(const Batch& b, const Unit& u,
+                                                                                       int64_t s, Scratch& scratch) {
+  Bf16Split::attend_split<D>(b, u, s, scratch);
+}
 #endif
 
-// bf16_scores: the queries are bf16 and the keys NVFP4, so AMX tile products (tiles: where the CPU has them) or
-// AVX512-BF16 dot products give the scores.
+// bf16_scores: the queries are bf16 and the keys NVFP4, so AMX tile products or AVX512-BF16 dot products give the
+// scores, prefill units' in their own code (Amx, Bf16Split).
 template <int D>
-AttendSplit attend_split_for_cpu(bool bf16_scores, bool tiles) {
+AttendSplit attend_split_for_cpu(bool bf16_scores, bool prefill) {
 #if NVFP4_X86
-  if (bf16_scores && cpu_isa() == Isa::Amx) return tiles ? attend_split_amx<D> : attend_split_amx_scores<D>;
-  if (bf16_scores && cpu_isa() >= Isa::Avx512Bf16) return attend_split_avx512bf16<D>;
+  if (bf16_scores && cpu_isa() == Isa::Amx) return prefill ? attend_split_amx<D> : attend_split_amx_scores<D>;
+  if (bf16_scores && cpu_isa() >= Isa::Avx512Bf16)
+    return prefill ? attend_split_avx512bf16_prefill<D> : attend_split_avx512bf16<D>;
   if (cpu_isa() >= Isa::Avx512) return attend_split_avx512<D>;
   if (cpu_isa() == Isa::Avx2) return attend_split_avx2<D>;
 #endif
   return attend_split_baseline<D>;
 }
 
-AttendSplit attend_split_for(int64_t head_size, bool bf16_scores, bool tiles) {
+AttendSplit attend_split_for(int64_t head_size, bool bf16_scores, bool prefill) {
   switch (head_size) {
     case 64:
-      return attend_split_for_cpu<64>(bf16_scores, tiles);
+      return attend_split_for_cpu<64>(bf16_scores, prefill);
     case 128:
-      return attend_split_for_cpu<128>(bf16_scores, tiles);
+      return attend_split_for_cpu<128>(bf16_scores, prefill);
     default:
-      return attend_split_for_cpu<256>(bf16_scores, tiles);  // the argument checks allow 64, 128 and 256
+      return attend_split_for_cpu<256>(bf16_scores, prefill);  // the argument checks allow 64, 128 and 256
   }
 }
 
@@ -1418,14 +1568,14 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
   int64_t scores = 0, max_pairs = 1;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = starts[r + 1] - starts[r], c = lens[r];
-    const int64_t rows_per_unit = std::max<int64_t>(1, (n >= AMX_MIN_ROWS ? PREFILL_UNIT_PAIRS : UNIT_PAIRS) / group);
+    const int64_t rows_per_unit = std::max<int64_t>(1, (n >= PREFILL_MIN_ROWS ? PREFILL_UNIT_PAIRS : UNIT_PAIRS) / group);
     max_pairs = std::max(max_pairs, std::min(rows_per_unit, n) * group);
     for (int64_t block = (n + rows_per_unit - 1) / rows_per_unit - 1; block >= 0; --block) {
       const int64_t row = block * rows_per_unit, rows = std::min(rows_per_unit, n - row);
       const int64_t pos0 = c - n + row, key_end = causal ? pos0 + rows : c;
       const int64_t key_begin = b.window > 0 ? std::max<int64_t>(0, pos0 - b.window + 1) : 0;
       for (int64_t h = 0; h < layout.num_heads; ++h)
-        units.push_back({r, h, starts[r] + row, rows, pos0, c, key_begin, key_end, -1, n >= AMX_MIN_ROWS});
+        units.push_back({r, h, starts[r] + row, rows, pos0, c, key_begin, key_end, -1, n >= PREFILL_MIN_ROWS});
       scores += layout.num_heads * rows * group * (key_end - key_begin);
     }
   }
@@ -1454,7 +1604,7 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
 
   const bool bf16_scores = query.scalar_type() == ScalarType::BFloat16 && !layout.fp8_keys;
   const AttendSplit attend_rows = attend_split_for(head_size, bf16_scores, false);
-  const AttendSplit attend_tiles = attend_split_for(head_size, bf16_scores, true);
+  const AttendSplit attend_prefill = attend_split_for(head_size, bf16_scores, true);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());
   dispatch_float_types(query.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -1470,7 +1620,7 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
       for (int64_t i = 0; i < num_tasks; ++i) {
         const Task task = tasks[i];
         const Unit& u = units[task.unit];
-        const AttendSplit attend_split = u.tiles ? attend_tiles : attend_rows;
+        const AttendSplit attend_split = u.prefill ? attend_prefill : attend_rows;
         const int64_t pairs = u.rows * group;
         load_queries(u, group, head_size, q, q_token, q_head, scratch.q.get());
         if (task.split >= 0) {  // this split's state goes to the unit's partials

@@ -30,7 +30,7 @@ from vllm_nvfp4_plugin.tools.paged_case import PagedCase, relative_l2
 REL_L2 = 1e-3
 PAD_ROWS = 3
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-AMX_MIN_ROWS = 16  # cpu_attention.cpp: shorter requests take the AVX512-BF16 code on a CPU with AMX
+PREFILL_MIN_ROWS = 16  # cpu_attention.cpp: requests this long take the prefill code
 
 
 def cpu_flags() -> set[str]:
@@ -43,6 +43,8 @@ def cpu_flags() -> set[str]:
 
 
 AMX = {"amx_tile", "amx_bf16", "avx512_bf16"} <= cpu_flags()
+# bf16 queries over NVFP4 keys take their own prefill code (AMX tile products, or AVX512-BF16 a split at a time)
+BF16_PREFILL = "avx512_bf16" in cpu_flags()
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -340,23 +342,45 @@ def test_request_alone_equals_request_in_a_large_batch(features):
     assert same_bytes(alone.run(), case.run()[:1])
 
 
-@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("features", FEATURES + [dict(window=1), dict(window=530)], ids=["plain", "features",
                                                                                          "window 1", "window 530"])
 def test_chunks_and_decodes_equal_the_whole_prompt(features, head_size):
     """A prompt in one step, the same prompt in chunks over its cached prefix, and its last row as a decode (with a
     window, each starts reading at its own first row's window: other tiles and splits, the same bytes). On a CPU with
-    AMX a decode takes the AVX512-BF16 code and the prompt the tiles: the same values to the contract's rel-L2."""
+    AVX512-BF16 a decode (bf16 queries) takes the decode code and the prompt the prefill code: the same values to the
+    contract's rel-L2."""
     case = Case([(700, 700)], head_size=head_size, seed=12, **features)
     whole = case.run()
     case.check(whole)
     for lo, hi in [(0, 250), (250, 513), (513, 699), (699, 700)]:
         part = case.rows(lo, hi, [(hi - lo, hi)])
         part.poison_keys_outside_windows()  # the chunks come in order: later ones start later
-        if AMX and hi - lo < AMX_MIN_ROWS:
+        if BF16_PREFILL and hi - lo < PREFILL_MIN_ROWS:
             assert relative_l2(part.run(), whole[lo:hi]) <= REL_L2, (lo, hi)
         else:
             assert same_bytes(part.run(), whole[lo:hi]), (lo, hi)
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("features", FEATURES + [dict(window=200)], ids=["plain", "features", "window 200"])
+def test_prefill_among_decodes_equals_its_chunks(features, head_size):
+    """Prefill requests (a whole prompt, chunks over cached prefixes, one of PREFILL_MIN_ROWS rows) among decodes, at
+    SmolLM2's GQA group of 3: each meets the reference, and gives the bytes of its rows cut into two chunks of one
+    batch, where they fill units and vectors of 16 pairs from other offsets."""
+    requests = [(1, 900), (40, 1100), (1, 30), (PREFILL_MIN_ROWS, 600), (300, 300), (2, 700)]
+    case = Case(requests, head_size=head_size, kv_heads=3, group=3, seed=21, **features)
+    case.poison_keys_outside_windows()
+    out = case.run()
+    case.check(out)
+    first = 0
+    for r, (n, c) in enumerate(requests):
+        cut = n // 2 + 3 if n >= 2 * PREFILL_MIN_ROWS + 6 else n
+        if n >= PREFILL_MIN_ROWS:
+            chunks = case.rows(first, first + n, [(cut, c - n + cut), (n - cut, c)] if cut < n else [(n, c)])
+            chunks.paged.block_table = case.paged.block_table[[r, r] if cut < n else [r]]
+            assert same_bytes(chunks.run(), out[first:first + n]), (n, c)
+        first += n
 
 
 THREADS_SCRIPT = """
@@ -391,7 +415,8 @@ for seed, (head_size, hnd, swizzle, dtype, extra) in enumerate([
         (256, False, False, torch.float32, {}), (128, True, True, torch.float32, {}),
         (64, True, False, torch.float32, features), (128, False, True, torch.bfloat16, features),
         (256, True, True, torch.float32, dict(soft_cap=0.7)), (64, True, True, torch.float32, dict(fp8_keys=True)),
-        (128, False, False, torch.bfloat16, dict(fp8_keys=True, window=45, sinks=True))]):
+        (128, False, False, torch.bfloat16, dict(fp8_keys=True, window=45, sinks=True)),
+        (256, True, False, torch.bfloat16, {})]):
     case = t.Case(t.MIXED, head_size=head_size, hnd=hnd, swizzle=swizzle, dtype=dtype, seed=seed, **extra)
     if not case.layout.fp8_keys:
         case.poison_keys_outside_windows()
@@ -420,7 +445,7 @@ def test_amx_variant_runs_where_the_cpu_has_it():
     best = pickle.loads(run_script(ISA_SCRIPT))
     forced = pickle.loads(run_script(ISA_SCRIPT, VLLM_NVFP4_CPU_ISA="avx512bf16"))
     differing = [i for i, ((a, _), (b, _)) in enumerate(zip(best, forced)) if a != b]
-    assert differing == [0, 5]  # ISA_SCRIPT's bf16 cases over NVFP4 keys
+    assert differing == [0, 5, 9]  # ISA_SCRIPT's bf16 cases over NVFP4 keys
 
 
 # --- the core's CPU path --------------------------------------------------------------------------------------
