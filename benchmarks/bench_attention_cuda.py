@@ -70,7 +70,7 @@ class Case:
     def __init__(self, requests, q_heads, kv_heads, head, gen, fp8_keys=False):
         self.requests, self.q_heads, self.kv_heads, self.head = requests, q_heads, kv_heads, head
         seq_lens = [c for _, c in requests]
-        self.layout = NVFP4PageLayout(head, BLOCK_SIZE, kv_heads, fp8_keys=fp8_keys)
+        self.layout = NVFP4PageLayout(head, BLOCK_SIZE, kv_heads, key_format="fp8" if fp8_keys else "nvfp4")
         self.table, self.indptr, self.indices, self.last_page_len, num_blocks = paged_tables(seq_lens, gen)
         self.cache = random_nvfp4_cache(self.layout, num_blocks, gen)
         self.key_cache, self.value_cache = (self.layout.side_views(self.cache) if fp8_keys

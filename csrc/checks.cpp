@@ -57,36 +57,46 @@ void check_global_scale(const char* op, const char* name, const Tensor& scale, c
   check_same_device(op, name, scale, cache, "key_cache");
 }
 
-// The K side of an fp8_keys page: value_cache's geometry with head_size bytes per entry, in its entry order.
-void check_fp8_key_cache(const char* op, const Tensor& key_cache, const NVFP4PageLayout& layout) {
+const char* key_format_name(KeyFormat key_format) { return key_format == KeyFormat::Int8 ? "INT8" : "FP8"; }
+
+// The K side of an FP8- or INT8-key page: value_cache's geometry with key_dim bytes per entry, in its entry order.
+void check_byte_key_cache(const char* op, const Tensor& key_cache, const NVFP4PageLayout& layout) {
   const int inner = layout.hnd ? 1 : 2, outer = layout.hnd ? 2 : 1;
-  const int64_t dim = layout.head_size;
+  const int64_t dim = layout.key_dim();
   NVFP4_CHECK(key_cache.stride(3) == 1 && (key_cache.size(inner) == 1 || key_cache.stride(inner) == dim) &&
                       (key_cache.size(outer) == 1 || key_cache.stride(outer) == dim * key_cache.size(inner)) &&
                       (key_cache.size(0) <= 1 || key_cache.stride(0) >= layout.key_side_bytes()),
-                  op, ": key_cache: FP8 key block sides must be contiguous bytes in value_cache's order, got shape ",
+                  op, ": key_cache: ", key_format_name(layout.key_format),
+                  " key block sides must be contiguous bytes in value_cache's order, got shape ",
                   shape_of(key_cache), " strides [", key_cache.stride(0), ", ", key_cache.stride(1), ", ",
                   key_cache.stride(2), ", ", key_cache.stride(3), "]");
 }
 
 // docs/FORMATS.md §1 on `[num_blocks, block_size, num_heads, full_dim]` views, as layout.py's from_caches: NVFP4
-// keys when both sides share one shape, FP8 keys when key_cache's last dim is value_cache's head size.
+// keys when both sides share one shape, FP8 keys when key_cache's last dim is value_cache's head size, INT8 keys when
+// it is that plus 2. INT8 keys have CPU kernels only: a CUDA cache of them is refused here, for every op.
 NVFP4PageLayout side_cache_layout(const char* op, const Tensor& key_cache, const Tensor& value_cache,
                                   bool swizzle_v_scales) {
   check_dim(op, "key_cache", key_cache, 4, "[num_blocks, block_size, num_heads, full_dim]");
   check_dtype(op, "key_cache", key_cache, {ScalarType::Byte}, "uint8");
-  const bool fp8_keys = value_cache.dim() == 4 && value_cache.size(3) > 0 && value_cache.size(3) % 9 == 0 &&
-                        key_cache.size(3) != value_cache.size(3) && key_cache.size(3) == value_cache.size(3) / 9 * 16;
-  const Tensor& side = fp8_keys ? value_cache : key_cache;  // an NVFP4 side
-  const char* side_name = fp8_keys ? "value_cache" : "key_cache";
+  KeyFormat key_format = KeyFormat::Nvfp4;
+  if (value_cache.dim() == 4 && value_cache.size(3) > 0 && value_cache.size(3) % 9 == 0 &&
+      key_cache.size(3) != value_cache.size(3)) {
+    const int64_t value_head_size = value_cache.size(3) / 9 * 16;
+    if (key_cache.size(3) == value_head_size) key_format = KeyFormat::Fp8;
+    if (key_cache.size(3) == value_head_size + INT8_KEY_SCALE_BYTES) key_format = KeyFormat::Int8;
+  }
+  const bool byte_keys = key_format != KeyFormat::Nvfp4;
+  const Tensor& side = byte_keys ? value_cache : key_cache;  // an NVFP4 side
+  const char* side_name = byte_keys ? "value_cache" : "key_cache";
   const int64_t block_size = side.size(1), num_heads = side.size(2), full_dim = side.size(3);
   NVFP4_CHECK(full_dim > 0 && full_dim % 9 == 0, op, ": key_cache: last dim ", full_dim,
                   " is not head_size/2 + head_size/16 (a positive multiple of 9, NVFP4 keys) or value_cache's ",
-                  "head size (FP8 keys)");
+                  "head size (FP8 keys) or head size + 2 (INT8 keys)");
   NVFP4_CHECK(block_size > 0 && num_heads > 0, op, ": ", side_name, ": block size and head count must be positive, ",
                   "got shape ", shape_of(side));
   const bool hnd = side.stride(2) > side.stride(1);
-  const NVFP4PageLayout layout{full_dim / 9 * 16, block_size, num_heads, hnd, swizzle_v_scales, fp8_keys};
+  const NVFP4PageLayout layout{full_dim / 9 * 16, block_size, num_heads, hnd, swizzle_v_scales, key_format};
   const int inner = hnd ? 1 : 2, outer = hnd ? 2 : 1;
   // A dim of size 1 may carry any stride.
   NVFP4_CHECK(side.stride(3) == 1 && (side.size(inner) == 1 || side.stride(inner) == full_dim) &&
@@ -102,12 +112,12 @@ NVFP4PageLayout side_cache_layout(const char* op, const Tensor& key_cache, const
                     " is not a multiple of 64, which swizzle_v_scales needs");
   }
   check_dtype(op, "value_cache", value_cache, {ScalarType::Byte}, "uint8");
-  if (fp8_keys) {
+  if (byte_keys) {
     NVFP4_CHECK(key_cache.size(0) == value_cache.size(0) && key_cache.size(1) == block_size &&
                     key_cache.size(2) == num_heads,
-                op, ": key_cache: FP8 keys must have value_cache's blocks, block size and heads ", shape_of(value_cache),
-                ", got shape ", shape_of(key_cache));
-    check_fp8_key_cache(op, key_cache, layout);
+                op, ": key_cache: ", key_format_name(key_format), " keys must have value_cache's blocks, block size ",
+                "and heads ", shape_of(value_cache), ", got shape ", shape_of(key_cache));
+    check_byte_key_cache(op, key_cache, layout);
   } else {
     bool same_geometry = value_cache.dim() == 4;
     for (int64_t d = 0; same_geometry && d < 4; ++d)
@@ -116,6 +126,8 @@ NVFP4PageLayout side_cache_layout(const char* op, const Tensor& key_cache, const
                     " and strides, got shape ", shape_of(value_cache));
   }
   check_same_device(op, "value_cache", value_cache, key_cache, "key_cache");
+  NVFP4_CHECK(key_format != KeyFormat::Int8 || key_cache.is_cpu(), op,
+              ": key_cache: int8 keys are served on CPU only, got a cache on ", device_name(key_cache));
   return layout;
 }
 

@@ -467,7 +467,8 @@ struct TileCursor {
     const NVFP4PageLayout& layout = b.layout;
     t.first = first;
     t.n = n;
-    const int64_t key_bytes = layout.fp8_keys ? layout.head_size : layout.data_dim();
+    const int64_t key_bytes = layout.key_format == KeyFormat::Nvfp4 ? layout.data_dim() : layout.head_size;
+    const int64_t key_scale_bytes = layout.int8_keys() ? INT8_KEY_SCALE_BYTES : layout.scale_dim();
     const int64_t step = layout.token_step();
     for (int j = first; j < n;) {
       const int run = static_cast<int>(std::min<int64_t>(n - j, layout.block_size - offset));
@@ -475,17 +476,18 @@ struct TileCursor {
       const uint8_t* value_side = b.value_base + pages[page] * b.value_block_stride;
       const int64_t entry = layout.entry_index(offset, kv_head);
       const uint8_t* key_data = key_side + entry * key_bytes;
-      const uint8_t* key_scales = key_side + layout.scale_offset(offset, kv_head, 0, false);
+      const uint8_t* key_scales = key_side + (layout.int8_keys() ? layout.int8_key_scale_offset(offset, kv_head)
+                                                                 : layout.scale_offset(offset, kv_head, 0, false));
       const uint8_t* value_data = value_side + entry * layout.data_dim();
       const uint8_t* value_scales = value_side + layout.scale_offset(offset, kv_head, 0, false);
       for (int i = 0; i < run; ++i) {
         const int64_t r = (offset + i) & 3;
         t.key_data[j + i] = key_data + i * step * key_bytes;
-        t.key_scales[j + i] = key_scales + i * step * layout.scale_dim();
+        t.key_scales[j + i] = key_scales + i * step * key_scale_bytes;
         t.value_data[j + i] = value_data + i * step * layout.data_dim();
         t.value_scales[j + i] = value_scales + (i - r) * step * layout.scale_dim();
         t.value_delta[j + i] = b.v_scale_delta[r];
-        if (!layout.fp8_keys) __builtin_prefetch(t.key_scales[j + i]);
+        if (!layout.fp8_keys()) __builtin_prefetch(t.key_scales[j + i]);
         for (int64_t line = 0; line < key_bytes; line += 64) __builtin_prefetch(t.key_data[j + i] + line);
         for (int64_t line = 0; line < layout.data_dim(); line += 64) __builtin_prefetch(t.value_data[j + i] + line);
         __builtin_prefetch(t.value_scales[j + i]);
@@ -611,6 +613,28 @@ NVFP4_INLINE void decode_fp8_keys(const TileTokens& t, float* keys, f32x16 (&sca
     for (int w = 0; w < 16; ++w)
       for (int e = 0; e < 4; ++e)
         store(simd::e4m3_decode<I >= Isa::Avx512>((words[w] >> (8 * e)) & 0xFFu), keys + (4 * (w0 + w) + e) * TILE);
+  }
+}
+
+// INT8 keys: keys[d][j] = int8 code of dimension d of key j, and every scale of key j its fp16 scale (decoded as
+// c10's conversion does). The codes are transposed as decode_fp8_keys' bytes are, then sign-extended.
+template <Isa I, int D>
+NVFP4_INLINE void decode_int8_keys(const TileTokens& t, float* keys, f32x16 (&scales)[D / NVFP4_GROUP]) {
+  alignas(64) c10::Half key_scale[TILE] = {};
+  for (int j = t.first; j < t.n; ++j) std::memcpy(&key_scale[j], t.key_scales[j], sizeof key_scale[j]);
+  const f32x16 scale = simd::load16(key_scale);
+  for (int s = 0; s < D / NVFP4_GROUP; ++s) scales[s] = scale;
+  for (int w0 = 0; w0 < D / 4; w0 += 16) {
+    u32x16 words[16];
+    for (int j = 0; j < TILE; ++j) {
+      words[j] = u32x16{};
+      if (t.first <= j && j < t.n) std::memcpy(&words[j], t.key_data[j] + 4 * w0, sizeof words[j]);
+    }
+    transpose_words<16>(words);
+    for (int w = 0; w < 16; ++w)
+      for (int e = 0; e < 4; ++e)
+        store(__builtin_convertvector(simd::as_i32(words[w] << (24 - 8 * e)) >> 24, f32x16),
+              keys + (4 * (w0 + w) + e) * TILE);
   }
 }
 
@@ -1332,8 +1356,10 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
     const TileTokens& tokens = walk.tokens();
     const int64_t key0 = walk.key0();
     f32x16 key_scales[D / NVFP4_GROUP];
-    if (b.layout.fp8_keys)
+    if (b.layout.fp8_keys())
       decode_fp8_keys<I, D>(tokens, scratch.keys.get(), key_scales);
+    else if (b.layout.int8_keys())
+      decode_int8_keys<I, D>(tokens, scratch.keys.get(), key_scales);
     else
       decode_keys<I, D>(tokens, scratch.keys.get(), key_scales);
     const int64_t first = u.first_row_seeing(b, key0 + tokens.first) * group;
@@ -1602,7 +1628,7 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
   }
   std::vector<float> partials(partial_floats);
 
-  const bool bf16_scores = query.scalar_type() == ScalarType::BFloat16 && !layout.fp8_keys;
+  const bool bf16_scores = query.scalar_type() == ScalarType::BFloat16 && layout.key_format == KeyFormat::Nvfp4;
   const AttendSplit attend_rows = attend_split_for(head_size, bf16_scores, false);
   const AttendSplit attend_prefill = attend_split_for(head_size, bf16_scores, true);
   const int64_t num_tasks = static_cast<int64_t>(tasks.size());

@@ -553,6 +553,50 @@ void load_fp8_key(const uint8_t* side, const NVFP4PageLayout& layout, int64_t of
   }
 }
 
+// The K side of an int8-key page (docs/FORMATS.md §1): per (token, head), v = k / k_scale in float32, scale =
+// fp16(min(max |v| / 127, 65504)) to nearest even, codes round-half-even(v / scale) clamped to ±127 (0 where the
+// scale is 0); a NaN in v stores the fp16 NaN 0x7E00 and all-zero codes. Decoded as code · scale · k_scale.
+template <typename T>
+void store_int8_key(const T* x, int64_t head_stride, const NVFP4PageLayout& layout, int64_t offset, float global,
+                    uint8_t* side) {
+  for (int64_t h = 0; h < layout.num_heads; ++h) {
+    const T* row = x + h * head_stride;
+    float amax = 0.0f;
+    for (int64_t i = 0; i < layout.head_size; ++i) {
+      const float a = std::fabs(static_cast<float>(row[i]) / global);
+      amax = (a > amax || a != a) ? a : amax;  // a NaN sticks, as torch's amax
+    }
+    int8_t* codes = reinterpret_cast<int8_t*>(side + layout.int8_key_offset(offset, h));
+    const c10::Half scale(std::isnan(amax) ? 0.0f : std::min(amax / 127.0f, 65504.0f));
+    const float scale_value = static_cast<float>(scale);
+    const uint16_t scale_bits = std::isnan(amax) ? 0x7E00 : scale.x;
+    if (scale_value == 0.0f) {  // all zeros, or a NaN
+      std::memset(codes, 0, layout.head_size);
+    } else {
+      for (int64_t i = 0; i < layout.head_size; ++i) {
+        const float q = std::nearbyint(static_cast<float>(row[i]) / global / scale_value);
+        codes[i] = static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f));
+      }
+    }
+    uint8_t* scale_out = side + layout.int8_key_scale_offset(offset, h);
+    scale_out[0] = static_cast<uint8_t>(scale_bits & 0xFF);
+    scale_out[1] = static_cast<uint8_t>(scale_bits >> 8);
+  }
+}
+
+template <typename T>
+void load_int8_key(const uint8_t* side, const NVFP4PageLayout& layout, int64_t offset, float global, T* out,
+                   int64_t head_stride) {
+  for (int64_t h = 0; h < layout.num_heads; ++h) {
+    const int8_t* codes = reinterpret_cast<const int8_t*>(side + layout.int8_key_offset(offset, h));
+    const uint8_t* scale_in = side + layout.int8_key_scale_offset(offset, h);
+    const float scale = static_cast<float>(
+        c10::Half(static_cast<uint16_t>(scale_in[0] | scale_in[1] << 8), c10::Half::from_bits()));
+    for (int64_t i = 0; i < layout.head_size; ++i)
+      out[h * head_stride + i] = static_cast<T>(static_cast<float>(codes[i]) * scale * global);
+  }
+}
+
 void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
                                  const Tensor& slot_mapping, const Tensor& k_scale, const Tensor& v_scale,
                                  bool swizzle_v_scales) {
@@ -579,8 +623,10 @@ void reshape_and_cache_nvfp4_cpu(const Tensor& key, const Tensor& value, Tensor&
       const int64_t slot = slots[i];
       if (slot < 0) continue;  // padding token
       const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
-      if (layout.fp8_keys)
+      if (layout.fp8_keys())
         store_fp8_key(k + i * key_token_stride, key_head_stride, layout, offset, kg, k_base + block * k_block_stride);
+      else if (layout.int8_keys())
+        store_int8_key(k + i * key_token_stride, key_head_stride, layout, offset, kg, k_base + block * k_block_stride);
       else
         kernels.store_token(k + i * key_token_stride, k_offsets, layout, offset, kg, inv_kg,
                             k_base + block * k_block_stride);
@@ -627,8 +673,10 @@ void reshape_and_cache_nvfp4_4over6_cpu(const Tensor& key, const Tensor& value, 
       const int64_t slot = slots[i];
       if (slot < 0) continue;  // padding token
       const int64_t block = slot / layout.block_size, offset = slot % layout.block_size;
-      if (layout.fp8_keys)
+      if (layout.fp8_keys())
         store_fp8_key(k + i * key.stride(0), key.stride(1), layout, offset, kg, k_base + block * k_block_stride);
+      else if (layout.int8_keys())
+        store_int8_key(k + i * key.stride(0), key.stride(1), layout, offset, kg, k_base + block * k_block_stride);
       else
         store_token_4over6(k + i * key.stride(0), key.stride(1), layout, offset, kg, inv_kg, false,
                            k_base + block * k_block_stride);
@@ -652,7 +700,7 @@ void gather_nvfp4_kv_cache_cpu(const Tensor& key_cache, const Tensor& value_cach
   const uint8_t* k_base = bytes_of(key_cache);
   const uint8_t* v_base = bytes_of(value_cache);
   const int64_t num_rows = cu[batch];
-  auto gather_side = [&](const uint8_t* base, int64_t block_stride, float global, bool fp8, bool swizzled,
+  auto gather_side = [&](const uint8_t* base, int64_t block_stride, float global, KeyFormat format, bool swizzled,
                          Tensor& out) {
     const std::vector<int64_t> deltas = scale_deltas(layout, swizzled);
     dispatch_float_types(out.scalar_type(), [&](auto tag) {
@@ -664,16 +712,18 @@ void gather_nvfp4_kv_cache_cpu(const Tensor& key_cache, const Tensor& value_cach
       for (int64_t row = 0; row < num_rows; ++row) {
         const int64_t b = sequence_of(cu, batch, row), p = row - cu[b];
         const uint8_t* side = base + table[b * table_stride + p / layout.block_size] * block_stride;
-        if (fp8)
+        if (format == KeyFormat::Fp8)
           load_fp8_key(side, layout, p % layout.block_size, global, o + row * token_stride, head_stride);
+        else if (format == KeyFormat::Int8)
+          load_int8_key(side, layout, p % layout.block_size, global, o + row * token_stride, head_stride);
         else
           kernels.load_token(side, layout, p % layout.block_size, deltas.data(), global, o + row * token_stride,
                              head_stride);
       }
     });
   };
-  gather_side(k_base, key_cache.stride(0), kg, layout.fp8_keys, false, out_key);
-  gather_side(v_base, value_cache.stride(0), vg, false, swizzle_v_scales, out_value);
+  gather_side(k_base, key_cache.stride(0), kg, layout.key_format, false, out_key);
+  gather_side(v_base, value_cache.stride(0), vg, KeyFormat::Nvfp4, swizzle_v_scales, out_value);
 }
 
 void indexer_k_quant_and_cache_cpu(const Tensor& k, Tensor& kv_cache, const Tensor& slot_mapping,

@@ -16,17 +16,22 @@
 namespace vllm_nvfp4 {
 
 constexpr int64_t NVFP4_GROUP = 16;  // head-dim elements that share one FP8 block scale
+constexpr int64_t INT8_KEY_SCALE_BYTES = 2;  // one little-endian IEEE fp16 scale per (token, head) of an int8-key page
+
+// How the K side stores a (token, head) key (layout.py's key_format "nvfp4", "fp8", "int8").
+enum class KeyFormat : int8_t { Nvfp4, Fp8, Int8 };
 
 // One side (K or V) of one block of the NVFP4 KV cache is [DATA | SCALES]; (token, head) entries sit in
-// NHD (token-major) or HND (head-major) order inside each region. With fp8_keys the K side holds FP8 E4M3 keys,
-// head_size bytes per entry in the same order, and no block scales.
+// NHD (token-major) or HND (head-major) order inside each region. With FP8 keys the K side holds FP8 E4M3 keys,
+// head_size bytes per entry in the same order, and no block scales; with INT8 keys it is [DATA | SCALES] of head_size
+// int8 codes and one fp16 scale per entry, both in the same order.
 struct NVFP4PageLayout {
   int64_t head_size;
   int64_t block_size;
   int64_t num_heads;
   bool hnd;
   bool swizzle_v_scales;
-  bool fp8_keys = false;
+  KeyFormat key_format = KeyFormat::Nvfp4;
 
   NVFP4_HD int64_t data_dim() const { return head_size / 2; }
   NVFP4_HD int64_t scale_dim() const { return head_size / NVFP4_GROUP; }
@@ -34,7 +39,11 @@ struct NVFP4PageLayout {
   NVFP4_HD int64_t entries() const { return block_size * num_heads; }
   NVFP4_HD int64_t data_region_bytes() const { return entries() * data_dim(); }
   NVFP4_HD int64_t side_bytes() const { return entries() * full_dim(); }
-  NVFP4_HD int64_t key_dim() const { return fp8_keys ? head_size : full_dim(); }
+  NVFP4_HD bool fp8_keys() const { return key_format == KeyFormat::Fp8; }
+  NVFP4_HD bool int8_keys() const { return key_format == KeyFormat::Int8; }
+  NVFP4_HD int64_t key_dim() const {
+    return key_format == KeyFormat::Nvfp4 ? full_dim() : head_size + (int8_keys() ? INT8_KEY_SCALE_BYTES : 0);
+  }
   NVFP4_HD int64_t key_side_bytes() const { return entries() * key_dim(); }
   NVFP4_HD int64_t page_bytes() const { return key_side_bytes() + side_bytes(); }
 
@@ -48,6 +57,12 @@ struct NVFP4PageLayout {
   }
   NVFP4_HD int64_t fp8_key_offset(int64_t token, int64_t head) const {
     return entry_index(token, head) * head_size;
+  }
+  NVFP4_HD int64_t int8_key_offset(int64_t token, int64_t head) const {
+    return entry_index(token, head) * head_size;
+  }
+  NVFP4_HD int64_t int8_key_scale_offset(int64_t token, int64_t head) const {
+    return entries() * head_size + entry_index(token, head) * INT8_KEY_SCALE_BYTES;
   }
   // `swizzled` applies trtllm-gen's V-scale order inside each head's [block_size x scale_dim] matrix.
   NVFP4_HD int64_t scale_offset(int64_t token, int64_t head, int64_t s, bool swizzled) const {

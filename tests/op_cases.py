@@ -42,12 +42,12 @@ class NVFP4Case:
     block_pad: int = 0  # bytes of padding after each cache page
     negative_slots: float = 0.1
     seed: int = 0
-    fp8_keys: bool = False
+    key_format: str = "nvfp4"
 
     @property
     def layout(self) -> NVFP4PageLayout:
         return NVFP4PageLayout(self.head_size, self.block_size, self.num_heads, self.hnd, self.swizzle_v_scales,
-                               self.fp8_keys)
+                               self.key_format)
 
 
 def nvfp4_cache(case: NVFP4Case, device, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,6 +130,9 @@ def nvfp4_gather_inputs(case: NVFP4Case, seq_lens: list[int], device, out_dtype=
     g = torch.Generator().manual_seed(case.seed)
     buffer, key_cache, value_cache = nvfp4_sides(case, "cpu", 0)
     buffer.copy_(random_cache_bytes(g, buffer.numel()))
+    if case.key_format == "int8":  # fp16 key scales of exponent 31 (inf, NaN) made finite, as E4M3 NaNs are above
+        high_bytes = case.layout.key_side_bytes_view(key_cache)[:, case.layout.int8_key_scale_offset(0, 0) + 1::2]
+        high_bytes[(high_bytes & 0x7C) == 0x7C] ^= 0x40
     buffer = buffer.to(device)
     key_cache, value_cache = (buffer.as_strided(c.shape, c.stride(), c.storage_offset()) for c in (key_cache, value_cache))
     table, cu = gather_tables(g, seq_lens, case.block_size, case.num_blocks, garbage=-7)

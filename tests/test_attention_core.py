@@ -67,7 +67,7 @@ def test_gqa_prefill_and_decode(num_heads, num_kv_heads):
 def test_chunked_prefill_over_several_steps_equals_one_pass():
     """A prompt fed in chunks (each chunk attending to the cache the previous ones wrote) gives the same
     output as the whole prompt in one step: chunking changes the schedule, never the result. Chunks of 16 rows or
-    more: on a CPU with AMX shorter ones take other code (tests/test_paged_attention_cpu.py)."""
+    more: on a CPU with AVX512-BF16 or AMX shorter ones take other code (tests/test_paged_attention_cpu.py)."""
     gen = torch.Generator().manual_seed(3)
     layout = NVFP4PageLayout(128, block_size=16, num_heads=2)
     whole = Batch([(60, 60)], layout, num_heads=4, gen=gen)

@@ -84,7 +84,7 @@ def attention_layer(vllm_config, num_heads=8, head_size=128, scale=0.1, num_kv_h
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"cache_dtype": "auto"}, ValueError, "kv_cache_dtype in \\('nvfp4', 'nvfp4_4over6', 'nvfp4_k8v4'\\) only"),
+    ({"cache_dtype": "auto"}, ValueError, "kv_cache_dtype in \\('nvfp4', 'nvfp4_4over6', 'nvfp4_k8v4', 'nvfp4_ki8v4'\\) only"),
     ({"per_layer_sliding_window": 0}, ValueError, "sliding_window must be positive"),
     ({"sinks": torch.zeros(4)}, ValueError, "sinks must have one value per query head"),
     ({"alibi_slopes": [0.5] * 8}, NotImplementedError, "does not support ALiBi"),
@@ -218,7 +218,7 @@ def test_model_features_reach_the_kernel(vllm_config, features, device):
 def test_fp8_key_page_through_the_backend(hnd, device, monkeypatch):
     """key_format "fp8": the FP8-key page, and build → store → forward (on CUDA the plugin's kernel decodes, FlashInfer
     reading NVFP4 keys only; off CUDA the core) matches the reference over the same pages."""
-    monkeypatch.setattr(adapter_common, "_ENGINE_FP8_KEYS", False)  # the process-wide key format goes back after
+    monkeypatch.setattr(adapter_common, "_ENGINE_KEY_FORMAT", "nvfp4")  # the process-wide key format goes back after
     gen = torch.Generator().manual_seed(3 + hnd)
     heads, kv_heads, d, block = 8, 2, 128, 16
     requests = [(1, 45), (1, 3), (6, 38), (17, 17)]
@@ -247,3 +247,16 @@ def test_fp8_key_page_through_the_backend(hnd, device, monkeypatch):
     reference.nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start, seq_lens,
                                     layer._k_scale, layer._v_scale, d ** -0.5, True, False, 17, 45, want)
     assert relative_l2(output.view(query.shape).cpu(), want.cpu()) <= 1e-2
+
+
+def test_int8_keys_refused_at_engine_start(monkeypatch):
+    """The INT8-key page has CPU kernels only: the CUDA backend refuses it when it builds a layer, by option or by
+    name."""
+    monkeypatch.setattr(adapter_common, "_ENGINE_KEY_FORMAT", "nvfp4")
+    config = VllmConfig(cache_config=CacheConfig(cache_dtype="nvfp4"),
+                        additional_config={"vllm_nvfp4_plugin": {"key_format": "int8"}})
+    with set_current_vllm_config(config), pytest.raises(NotImplementedError, match="int8 keys are served on CPU only"):
+        attention_layer(config, 8, 128, 128 ** -0.5, 2)
+    reason = NVFP4CudaBackend.supports_combination(128, torch.bfloat16, "nvfp4_ki8v4", 16, False, False, False, False,
+                                                   DeviceCapability(9, 0))
+    assert "int8 keys are served on CPU only" in reason

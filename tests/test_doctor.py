@@ -13,11 +13,12 @@ def test_doctor_cli_passes_on_cpu():
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("| cpu |")]
-    assert len(rows) == 23 and all("| pass |" in row for row in rows)
+    assert len(rows) == 29 and all("| pass |" in row for row in rows)
     for layout in ("NHD", "HND"):  # the layout column is what the strides and shapes say
         assert any(f"| {layout} | swizzled |" in row for row in rows)
         assert sum(f"| {layout}, FP8 keys |" in row for row in rows) == 3
-    assert result.stdout.strip().endswith("23 passed, 0 failed")
+        assert sum(f"| {layout}, INT8 keys |" in row for row in rows) == 3
+    assert result.stdout.strip().endswith("29 passed, 0 failed")
 
 
 def test_read_back_check_sees_a_wrong_v_scale_order():

@@ -110,11 +110,11 @@ def test_a_sliding_window_that_covers_max_model_len_is_no_window():
 def fp8_key_case(head_size=128, hnd=False, swizzle=False, dtype=torch.bfloat16, seed=0, **kw) -> NVFP4Case:
     return NVFP4Case(head_size=head_size, num_heads=1 + seed % 3, block_size=16 if seed % 2 else 32, num_blocks=5,
                      num_tokens=60, dtype=dtype, hnd=hnd, swizzle_v_scales=swizzle, row_pad=16 * (seed % 3),
-                     block_pad=seed % 2 * 40, seed=seed, fp8_keys=True, **kw)
+                     block_pad=seed % 2 * 40, seed=seed, key_format="fp8", **kw)
 
 
 def test_fp8_key_page_sizes():
-    layout = NVFP4PageLayout(128, 16, 8, fp8_keys=True)
+    layout = NVFP4PageLayout(128, 16, 8, key_format="fp8")
     assert (layout.key_dim, layout.full_dim) == (128, 72)
     assert layout.page_bytes == 16 * 8 * (128 + 72)  # 2.56x fewer bytes than bf16's 16 * 8 * 512
     assert NVFP4PageLayout(128, 16, 8).page_bytes == 16 * 8 * 144
@@ -151,17 +151,17 @@ def test_fp8_keys_round_trip_ten_times_closer_than_nvfp4():
     key = torch.randn(64, 2, 128, generator=g)
     key[..., 5] *= 40  # an outlier channel, as real models' keys have
     errors = {}
-    for fp8_keys in (False, True):
-        layout = NVFP4PageLayout(128, 16, 2, fp8_keys=fp8_keys)
+    for key_format in ("nvfp4", "fp8"):
+        layout = NVFP4PageLayout(128, 16, 2, key_format=key_format)
         key_cache, value_cache = layout.allocate_sides(4, fill=0)
         scale = torch.ones(1)
         ops.reshape_and_cache_nvfp4(key, key, key_cache, value_cache, torch.arange(64), scale, scale, False)
         out = torch.empty_like(key), torch.empty_like(key)
         ops.gather_nvfp4_kv_cache(key_cache, value_cache, torch.arange(4, dtype=torch.int32).view(1, 4),
                                   torch.tensor([0, 64], dtype=torch.int32), scale, scale, False, *out)
-        errors[fp8_keys] = ((out[0] - key).norm() / key.norm()).item()
+        errors[key_format] = ((out[0] - key).norm() / key.norm()).item()
         assert torch.equal(out[1], reference_nvfp4(key))  # values stay NVFP4
-    assert errors[True] < 0.03 and errors[True] * 3 < errors[False]
+    assert errors["fp8"] < 0.03 and errors["fp8"] * 3 < errors["nvfp4"]
 
 
 def reference_nvfp4(x):
@@ -185,7 +185,7 @@ def test_fp8_key_cache_bad_input(change, message):
 
 
 def test_fp8_key_layout_bad_input():
-    key_cache, value_cache = NVFP4PageLayout(128, 16, 2, fp8_keys=True).allocate_sides(3)
+    key_cache, value_cache = NVFP4PageLayout(128, 16, 2, key_format="fp8").allocate_sides(3)
     with pytest.raises(ValueError, match=r"key_cache must have value_cache's shape .* \(FP8 keys\)"):
         NVFP4PageLayout.from_caches(key_cache[..., :100], value_cache)
     with pytest.raises(ValueError, match=r"key_cache must hold contiguous FP8 block sides"):

@@ -34,7 +34,7 @@ def test_large_fp8_key_store_matches_reference(hnd, swizzle, four_over_six):
     num_tokens = 20_000
     case = NVFP4Case(head_size=128, num_heads=8, block_size=16, num_blocks=num_tokens // 16 + 8,
                      num_tokens=num_tokens, hnd=hnd, swizzle_v_scales=swizzle, row_pad=16, block_pad=8 * hnd, seed=10,
-                     fp8_keys=True)
+                     key_format="fp8")
     op, ref_op = ((ops.reshape_and_cache_nvfp4_4over6, reference.reshape_and_cache_nvfp4_4over6) if four_over_six
                   else (ops.reshape_and_cache_nvfp4, reference.reshape_and_cache_nvfp4))
     args, expected = nvfp4_store_inputs(case, "cuda"), nvfp4_store_inputs(case, "cpu")
@@ -47,7 +47,7 @@ def test_large_fp8_key_store_matches_reference(hnd, swizzle, four_over_six):
 @pytest.mark.parametrize("head_size,hnd,swizzle", [(64, False, False), (128, True, True), (256, False, True)])
 def test_large_fp8_key_gather_matches_reference(head_size, hnd, swizzle):
     case = NVFP4Case(head_size=head_size, num_heads=4, block_size=16, num_blocks=600, hnd=hnd,
-                     swizzle_v_scales=swizzle, seed=head_size, fp8_keys=True)
+                     swizzle_v_scales=swizzle, seed=head_size, key_format="fp8")
     seq_lens = [3000, 1, 0, 2500, 17]
     args, expected = nvfp4_gather_inputs(case, seq_lens, "cuda"), nvfp4_gather_inputs(case, seq_lens, "cpu")
     ops.gather_nvfp4_kv_cache(**args)

@@ -75,11 +75,11 @@ class Case:
 
     def __init__(self, requests, *, head_size=128, kv_heads=2, group=4, block_size=16, hnd=False, swizzle=False,
                  dtype=torch.bfloat16, causal=True, seed=0, k_scale=0.75, v_scale=1.25, scale=None, shape_kv=None,
-                 window=0, soft_cap=0.0, sinks=False, fp8_keys=False):
+                 window=0, soft_cap=0.0, sinks=False, key_format="nvfp4"):
         gen = torch.Generator().manual_seed(seed)
         self.window, self.soft_cap = window, soft_cap
         self.sinks = torch.randn(kv_heads * group, generator=gen) * 2 + 1 if sinks else None
-        self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle, fp8_keys)
+        self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle, key_format)
         self.requests, self.causal, self.dtype = list(requests), causal, dtype
         self.paged = PagedCase(requests, self.layout, kv_heads * group, gen, dtype=dtype, k_scale=k_scale,
                                v_scale=v_scale, extra_table_columns=2, unused_entry=-7)
@@ -87,8 +87,10 @@ class Case:
         if shape_kv is not None:
             for x in self.paged.k + self.paged.v:
                 shape_kv(x)
-        # FP8 keys: a (key_cache, value_cache) pair, their unused bytes 0xFF (FP8 NaN keys, NaN V block scales)
-        self.cache = (self.layout.allocate_sides if fp8_keys else self.layout.allocate)(self.paged.num_blocks, fill=0xFF)
+        # FP8 or INT8 keys: a (key_cache, value_cache) pair, their unused bytes 0xFF (FP8 NaN keys, fp16 NaN key
+        # scales, NaN V block scales)
+        allocate = self.layout.allocate if key_format == "nvfp4" else self.layout.allocate_sides
+        self.cache = allocate(self.paged.num_blocks, fill=0xFF)
         key, value, slots = self.paged.context_tokens()
         store_kv(key, value, self.cache, slots, self.k_scale, self.v_scale, swizzle)
         self.num_tokens = sum(n for n, _ in requests)
@@ -110,7 +112,7 @@ class Case:
     def poison_keys_outside_windows(self) -> int:
         """Overwrite with 0xFF (NaN block scales) the K and V bytes of every cached token older than the window of
         its request's first query row: a kernel that reads one of them writes NaN. Returns how many tokens."""
-        assert not self.layout.fp8_keys, "poisons NVFP4 keys"
+        assert self.layout.key_format == "nvfp4", "poisons NVFP4 keys"
         self.clean_cache = self.cache.clone()
         layout, poisoned = self.layout, 0
         heads = torch.arange(layout.num_heads)[:, None]
@@ -178,18 +180,18 @@ def test_mixed_batch_every_layout(head_size, hnd, swizzle, group):
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_fp8_keys_mixed_batch(head_size, hnd, group):
-    case = Case(MIXED, head_size=head_size, hnd=hnd, swizzle=hnd, group=group, seed=head_size + group, fp8_keys=True)
+    case = Case(MIXED, head_size=head_size, hnd=hnd, swizzle=hnd, group=group, seed=head_size + group, key_format="fp8")
     case.check(case.run())
 
 
 @pytest.mark.parametrize("shape_kv", [outliers, zero_groups, saturated, tiny], ids=lambda f: f.__name__)
 def test_fp8_keys_adversarial_values(shape_kv):
-    case = Case(MIXED, shape_kv=shape_kv, seed=5, fp8_keys=True, k_scale=2.0 if shape_kv is saturated else 0.75)
+    case = Case(MIXED, shape_kv=shape_kv, seed=5, key_format="fp8", k_scale=2.0 if shape_kv is saturated else 0.75)
     case.check(case.run())
 
 
 def test_fp8_keys_with_model_features():
-    case = Case(MIXED, window=45, soft_cap=3.0, sinks=True, dtype=torch.float16, seed=8, fp8_keys=True)
+    case = Case(MIXED, window=45, soft_cap=3.0, sinks=True, dtype=torch.float16, seed=8, key_format="fp8")
     case.check(case.run())
 
 
@@ -388,7 +390,7 @@ import pickle, sys, torch
 import test_paged_attention_cpu as t
 outs = []
 for head_size in (64, 128):
-    for features in ({}, dict(window=333, soft_cap=4.0, sinks=True), dict(fp8_keys=True)):
+    for features in ({}, dict(window=333, soft_cap=4.0, sinks=True), dict(key_format="fp8"), dict(key_format="int8")):
         case = t.Case([(1, 3000), (1, 70), (300, 900), (2, 5000)], head_size=head_size, kv_heads=2, group=4, seed=13,
                       **features)
         outs.append(case.run().view(torch.int16).tolist())
@@ -414,11 +416,13 @@ for seed, (head_size, hnd, swizzle, dtype, extra) in enumerate([
         (64, False, True, torch.bfloat16, {}), (128, True, False, torch.float16, {}),
         (256, False, False, torch.float32, {}), (128, True, True, torch.float32, {}),
         (64, True, False, torch.float32, features), (128, False, True, torch.bfloat16, features),
-        (256, True, True, torch.float32, dict(soft_cap=0.7)), (64, True, True, torch.float32, dict(fp8_keys=True)),
-        (128, False, False, torch.bfloat16, dict(fp8_keys=True, window=45, sinks=True)),
+        (256, True, True, torch.float32, dict(soft_cap=0.7)), (64, True, True, torch.float32, dict(key_format="fp8")),
+        (128, False, False, torch.bfloat16, dict(key_format="fp8", window=45, sinks=True)),
+        (64, False, True, torch.bfloat16, dict(key_format="int8")), (128, True, False, torch.float32, dict(key_format="int8")),
+        (256, True, True, torch.float16, dict(key_format="int8", window=45, soft_cap=2.0, sinks=True)),
         (256, True, False, torch.bfloat16, {})]):
     case = t.Case(t.MIXED, head_size=head_size, hnd=hnd, swizzle=swizzle, dtype=dtype, seed=seed, **extra)
-    if not case.layout.fp8_keys:
+    if case.layout.key_format == "nvfp4":
         case.poison_keys_outside_windows()
     out = case.run()
     case.check(out)
@@ -441,7 +445,7 @@ def test_instruction_set_variants_agree(isa):
 def test_amx_variant_runs_where_the_cpu_has_it():
     """bf16 queries over NVFP4 keys take AMX tile products by default here, requests of 16 query rows or more for
     scores and weighted sums, shorter ones for the scores (the test above checks them against the reference): their
-    bytes differ from the forced AVX512-BF16 variant's, whose float32 sums run in another order. float32 and fp16 queries and FP8 keys take the same code in both."""
+    bytes differ from the forced AVX512-BF16 variant's, whose float32 sums run in another order. float32 and fp16 queries and FP8 and INT8 keys take the same code in both."""
     best = pickle.loads(run_script(ISA_SCRIPT))
     forced = pickle.loads(run_script(ISA_SCRIPT, VLLM_NVFP4_CPU_ISA="avx512bf16"))
     differing = [i for i, ((a, _), (b, _)) in enumerate(zip(best, forced)) if a != b]
@@ -553,13 +557,14 @@ def cases(draw) -> Case:
                 swizzle=swizzle, dtype=draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32])),
                 causal=draw(st.booleans()), seed=draw(st.integers(0, 2**20)),
                 window=draw(st.one_of(st.just(0), st.integers(1, 800))),
-                soft_cap=draw(st.one_of(st.just(0.0), st.floats(0.1, 100.0))), sinks=draw(st.booleans()))
+                soft_cap=draw(st.one_of(st.just(0.0), st.floats(0.1, 100.0))), sinks=draw(st.booleans()),
+                key_format=draw(st.sampled_from(["nvfp4", "fp8", "int8"])))
 
 
 @FUZZ
 @given(case=cases())
 def test_fuzz_against_reference(case):
-    if not case.layout.fp8_keys:
+    if case.layout.key_format == "nvfp4":
         case.poison_keys_outside_windows()
     out = case.run()
     if case.num_tokens:

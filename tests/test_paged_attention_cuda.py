@@ -25,20 +25,20 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class Batch:
-    """Requests `(query_len, context_len)` over one NVFP4 cache; K/V written by the CUDA store op. `fp8_keys`: an
-    fp8_keys page; with `split_sides` its K and V sides are two allocations of different block strides."""
+    """Requests `(query_len, context_len)` over one NVFP4 cache; K/V written by the CUDA store op. `key_format`
+    "fp8": an FP8-key page; with `split_sides` its K and V sides are two allocations of different block strides."""
 
     def __init__(self, requests, *, head_size=128, kv_heads=2, group=4, block_size=16, hnd=False, swizzle=False,
                  dtype=torch.bfloat16, causal=True, kv=None, seed=0, k_scale=0.75, v_scale=1.25, features=None,
-                 fp8_keys=False, split_sides=False):
+                 key_format="nvfp4", split_sides=False):
         self.gen = torch.Generator().manual_seed(seed)
-        self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle, fp8_keys)
+        self.layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd, swizzle, key_format)
         self.requests, self.causal, self.dtype = requests, causal, dtype
         self.features = dict(features or {})  # sliding_window, logits_soft_cap, sinks
         self.q_heads = kv_heads * group
         pages = [-(-c // block_size) for _, c in requests]
         num_blocks = sum(pages) + 3
-        if fp8_keys:
+        if key_format == "fp8":
             self.pages = torch.full((num_blocks, self.layout.page_bytes), 0xFF, dtype=torch.uint8, device="cuda")
             self.key_cache, self.value_cache = self.layout.side_views(self.pages)
             if split_sides:
@@ -257,12 +257,12 @@ def test_adversarial_values(kind, requests):
     batch.check(batch.run())
 
 
-@pytest.mark.parametrize("fp8_keys", [False, True], ids=["nvfp4_keys", "fp8_keys"])
+@pytest.mark.parametrize("key_format", ["nvfp4", "fp8"], ids=["nvfp4_keys", "fp8_keys"])
 @pytest.mark.parametrize("requests", [[(1, 700), (20, 900)], [(1, 700), (1, 900)]], ids=["mixed", "decode"])
-def test_random_cache_bytes(requests, fp8_keys):
+def test_random_cache_bytes(requests, key_format):
     """Every code and scale bit pattern (subnormal and max block scales included; with FP8 keys every key byte but the
     NaNs, subnormals and ±448 included), written straight into the pages."""
-    batch = Batch(requests, head_size=128, swizzle=True, fp8_keys=fp8_keys, seed=8)
+    batch = Batch(requests, head_size=128, swizzle=True, key_format=key_format, seed=8)
     g = torch.Generator().manual_seed(8)
     data = torch.randint(0, 256, (batch.pages.numel(),), generator=g, dtype=torch.uint8)
     data = torch.where((data & 0x7F) == 0x7F, data - 1, data)  # no E4M3 NaN scale or key
@@ -271,10 +271,10 @@ def test_random_cache_bytes(requests, fp8_keys):
     batch.check(batch.run())
 
 
-@pytest.mark.parametrize("fp8_keys", [False, True], ids=["nvfp4_keys", "fp8_keys"])
-def test_cuda_graph_replay_with_new_lengths(fp8_keys):
+@pytest.mark.parametrize("key_format", ["nvfp4", "fp8"], ids=["nvfp4_keys", "fp8_keys"])
+def test_cuda_graph_replay_with_new_lengths(key_format):
     """Captured once at the bounds, replayed after the lengths and queries changed in place."""
-    batch = Batch([(1, 3000), (1, 2600), (1, 20)], group=4, fp8_keys=fp8_keys, seed=9)
+    batch = Batch([(1, 3000), (1, 2600), (1, 20)], group=4, key_format=key_format, seed=9)
     out = torch.full_like(batch.query, float("nan"))
     args = batch.args(out, max_query_len=1, max_seq_len=4096)
     stream = torch.cuda.Stream()
@@ -386,7 +386,7 @@ def test_kernel_batch_with_fa2_decodes(head_size):
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
 @pytest.mark.parametrize("swizzle", [False, True], ids=["linear", "swizzled"])
 def test_fp8_keys_decode_layouts(head_size, hnd, swizzle):
-    batch = Batch(DECODES, head_size=head_size, hnd=hnd, swizzle=swizzle, fp8_keys=True, seed=head_size + hnd)
+    batch = Batch(DECODES, head_size=head_size, hnd=hnd, swizzle=swizzle, key_format="fp8", seed=head_size + hnd)
     batch.check(batch.run())
 
 
@@ -394,7 +394,7 @@ def test_fp8_keys_decode_layouts(head_size, hnd, swizzle):
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
 def test_fp8_keys_prefill_chunked_and_mixed(head_size, hnd):
     requests = [(1, 500), (1, 33), (200, 200), (77, 1000), (64, 64), (5, 130)]
-    batch = Batch(requests, head_size=head_size, hnd=hnd, swizzle=hnd, fp8_keys=True, seed=head_size + 1)
+    batch = Batch(requests, head_size=head_size, hnd=hnd, swizzle=hnd, key_format="fp8", seed=head_size + 1)
     batch.check(batch.run())
 
 
@@ -402,7 +402,7 @@ def test_fp8_keys_prefill_chunked_and_mixed(head_size, hnd):
                                                 (8, torch.bfloat16, 2), (4, torch.bfloat16, 5)])
 def test_fp8_keys_groups_dtypes_and_multi_token(group, dtype, next_n):
     """Query rows of 1 to 40 a request: both n8 widths of the decode kernel and both warp splits of the fused one."""
-    batch = Batch([(next_n, 40), (next_n, 1000), (next_n, next_n)], group=group, dtype=dtype, fp8_keys=True,
+    batch = Batch([(next_n, 40), (next_n, 1000), (next_n, next_n)], group=group, dtype=dtype, key_format="fp8",
                   seed=group + next_n)
     batch.check(batch.run())
 
@@ -411,13 +411,13 @@ def test_fp8_keys_groups_dtypes_and_multi_token(group, dtype, next_n):
 def test_fp8_keys_block_sizes_and_side_strides(block_size, split_sides):
     """Blocks not a multiple of 16 (a table read a key); K and V sides of different block strides."""
     batch = Batch(DECODES + [(2, 500), (40, 300)], block_size=block_size, swizzle=block_size % 4 == 0,
-                  fp8_keys=True, split_sides=split_sides, seed=block_size)
+                  key_format="fp8", split_sides=split_sides, seed=block_size)
     assert batch.key_cache.stride(0) != batch.value_cache.stride(0) or not split_sides
     batch.check(batch.run())
 
 
 def test_fp8_keys_long_context_splits_and_sinks():
-    batch = Batch([(1, 40000), (1, 3)], kv_heads=1, group=8, fp8_keys=True, seed=3)
+    batch = Batch([(1, 40000), (1, 3)], kv_heads=1, group=8, key_format="fp8", seed=3)
     batch.check(batch.run())
     batch.features = {"sinks": _sinks(8, 11), "sliding_window": 4000}
     batch.check(batch.run())
@@ -427,7 +427,7 @@ def test_fp8_keys_long_context_splits_and_sinks():
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 def test_fp8_keys_model_features(batch_kind, head_size):
     """Sliding window (pages wholly before it overwritten with 0xFF after the reference read them), soft-cap, sinks."""
-    batch = Batch(FEATURE_BATCHES[batch_kind], head_size=head_size, block_size=16, swizzle=True, fp8_keys=True,
+    batch = Batch(FEATURE_BATCHES[batch_kind], head_size=head_size, block_size=16, swizzle=True, key_format="fp8",
                   seed=head_size)
     batch.scale = 4.0 / math.sqrt(head_size)  # logits of several units, so a cap of 3 bends them
     for features in ({"logits_soft_cap": 3.0}, {"sinks": _sinks(batch.q_heads, head_size)},
@@ -447,7 +447,7 @@ def test_fp8_keys_model_features(batch_kind, head_size):
 @pytest.mark.parametrize("kind", ["outliers", "zero_groups", "saturated"])
 def test_fp8_keys_adversarial_values(kind, requests):
     """Outlier channels, zero groups, and keys past ±448 (saturated FP8) with values past NVFP4's range."""
-    batch = Batch(requests, kv=_adversarial_kv(kind), fp8_keys=True, seed=7, k_scale=1.0, v_scale=1.0)
+    batch = Batch(requests, kv=_adversarial_kv(kind), key_format="fp8", seed=7, k_scale=1.0, v_scale=1.0)
     if kind in ("outliers", "saturated"):
         batch.scale = 1e-4
     batch.check(batch.run())

@@ -13,7 +13,7 @@ from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.vllm_adapter import common
 from vllm_nvfp4_plugin.vllm_adapter.common import check_nvfp4_layer, core_metadata
 from vllm_nvfp4_plugin.vllm_adapter.cpu_backend import NVFP4CPUAttentionBackend
-from vllm_nvfp4_plugin.vllm_adapter.spec import HND_LAYOUTS, NHD_LAYOUTS, customize_nvfp4_spec, page_view
+from vllm_nvfp4_plugin.vllm_adapter.spec import HND_LAYOUTS, NHD_LAYOUTS, customize_nvfp4_spec, page_view, spec_has_fp8_keys
 
 
 def nvfp4_spec(head_size=64, num_kv_heads=3, block_size=32, **kw):
@@ -91,8 +91,8 @@ def test_page_view_of_vllm_allocation(layout_kind):
 def test_fp8_key_page_view_of_vllm_allocation(layout_kind):
     """The FP8-key page in views vLLM builds: FP8 keys then NVFP4 values at the layout's offsets, nothing else."""
     num_blocks, head_size, kv_heads, block_size = 5, 128, 2, 16
-    spec = customize_nvfp4_spec(nvfp4_spec(head_size, kv_heads, block_size), fp8_keys=True)
-    layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd=layout_kind in HND_LAYOUTS, fp8_keys=True)
+    spec = customize_nvfp4_spec(nvfp4_spec(head_size, kv_heads, block_size), key_format="fp8")
+    layout = NVFP4PageLayout(head_size, block_size, kv_heads, hnd=layout_kind in HND_LAYOUTS, key_format="fp8")
     assert spec.page_size_bytes == layout.page_bytes == block_size * kv_heads * (128 + 72)
     raw, tensor, views = vllm_views(spec, num_blocks, layout_kind)
     gen = torch.Generator().manual_seed(1)
@@ -227,17 +227,17 @@ def fp8_key_layer_spec(config):
 
 
 def test_key_format_option_gives_vllm_layers_the_fp8_key_page(monkeypatch):
-    monkeypatch.setattr(common, "_ENGINE_FP8_KEYS", False)  # the process-wide key format goes back after the test
+    monkeypatch.setattr(common, "_ENGINE_KEY_FORMAT", "nvfp4")  # the process-wide key format goes back after the test
     config = tiny_config({"vllm_nvfp4_plugin": {"key_format": "fp8"}}, cache_dtype="nvfp4", block_size=16)
     spec = fp8_key_layer_spec(config)
-    assert spec.page_size_bytes == NVFP4PageLayout(128, 16, 2, fp8_keys=True).page_bytes == 16 * 2 * (128 + 72)
+    assert spec.page_size_bytes == NVFP4PageLayout(128, 16, 2, key_format="fp8").page_bytes == 16 * 2 * (128 + 72)
     plain = fp8_key_layer_spec(tiny_config(cache_dtype="nvfp4", block_size=16))
     assert plain.page_size_bytes == NVFP4PageLayout(128, 16, 2).page_bytes
 
 
 def test_fp8_keys_kv_cache_dtype_name_where_vllm_can_register_one(monkeypatch):
     """vLLM 0.33's register_kv_cache_dtype: `--kv-cache-dtype nvfp4_k8v4` validates and gives the FP8-key page."""
-    monkeypatch.setattr(common, "_ENGINE_FP8_KEYS", False)
+    monkeypatch.setattr(common, "_ENGINE_KEY_FORMAT", "nvfp4")
     import vllm.config.cache as cache_config
     from vllm.v1.kv_cache_interface import get_kv_quant_mode
 
@@ -249,6 +249,45 @@ def test_fp8_keys_kv_cache_dtype_name_where_vllm_can_register_one(monkeypatch):
     register_kv_cache_dtypes()  # idempotent
     assert cache_config.KV_CACHE_DTYPES.count("nvfp4_k8v4") == 1 and get_kv_quant_mode("nvfp4_k8v4").is_nvfp4
     spec = fp8_key_layer_spec(tiny_config(cache_dtype="nvfp4_k8v4", block_size=16))
-    assert spec.page_size_bytes == NVFP4PageLayout(128, 16, 2, fp8_keys=True).page_bytes
+    assert spec.page_size_bytes == NVFP4PageLayout(128, 16, 2, key_format="fp8").page_bytes
     with pytest.raises(ValueError, match="nvfp4_k8v4' keeps FP8 keys, but the plugin's options ask for key_format"):
         fp8_key_layer_spec(tiny_config({"vllm_nvfp4_plugin": {"key_format": "nvfp4"}}, cache_dtype="nvfp4_k8v4"))
+
+
+def test_key_format_option_gives_vllm_layers_the_int8_key_page(monkeypatch):
+    monkeypatch.setattr(common, "_ENGINE_KEY_FORMAT", "nvfp4")
+    config = tiny_config({"vllm_nvfp4_plugin": {"key_format": "int8"}}, cache_dtype="nvfp4", block_size=16)
+    spec = fp8_key_layer_spec(config)
+    layout = NVFP4PageLayout(128, 16, 2, key_format="int8")
+    assert spec.page_size_bytes == layout.page_bytes == 16 * 2 * (130 + 72)
+    assert not spec_has_fp8_keys(spec)
+
+
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+def test_int8_key_page_view_is_the_layout(hnd):
+    """vLLM's `[num_blocks, H, N, C]` view of an int8-key page, H = KV heads, C = head + 2 + head/2 + head/16."""
+    layout = NVFP4PageLayout(64, 16, 3, hnd, key_format="int8")
+    entry = layout.key_dim + layout.full_dim
+    pages = torch.zeros(4, layout.page_bytes, dtype=torch.uint8)
+    view = (pages.view(4, 3, 16, entry) if hnd else pages.view(4, 16, 3, entry).transpose(1, 2))
+    key_cache, value_cache = page_view(view, 3)
+    assert NVFP4PageLayout.from_caches(key_cache, value_cache) == layout
+    expected = layout.side_views(pages)
+    assert all(a.stride() == b.stride() and a.shape == b.shape and a.data_ptr() == b.data_ptr()
+               for a, b in zip((key_cache, value_cache), expected))
+
+
+def test_int8_keys_kv_cache_dtype_name_where_vllm_can_register_one(monkeypatch):
+    """vLLM 0.33's register_kv_cache_dtype: `--kv-cache-dtype nvfp4_ki8v4` validates and gives the INT8-key page."""
+    monkeypatch.setattr(common, "_ENGINE_KEY_FORMAT", "nvfp4")
+    import vllm.config.cache as cache_config
+
+    from vllm_nvfp4_plugin.vllm_adapter import register_kv_cache_dtypes
+
+    if not hasattr(cache_config, "register_kv_cache_dtype"):
+        pytest.skip("this vLLM has no register_kv_cache_dtype (0.32): the key_format option names the page")
+    register_kv_cache_dtypes()
+    spec = fp8_key_layer_spec(tiny_config(cache_dtype="nvfp4_ki8v4", block_size=16))
+    assert spec.page_size_bytes == NVFP4PageLayout(128, 16, 2, key_format="int8").page_bytes
+    with pytest.raises(ValueError, match="nvfp4_ki8v4' keeps INT8 keys, but the plugin's options ask for key_format"):
+        fp8_key_layer_spec(tiny_config({"vllm_nvfp4_plugin": {"key_format": "fp8"}}, cache_dtype="nvfp4_ki8v4"))

@@ -1,8 +1,8 @@
 """Per-layer KV-cache policy of an NVFP4 cache: the file `python -m vllm_nvfp4_plugin.tools.calibrate` writes and
 the engine loads (vLLM-free; the adapters apply it).
 
-The key format is the model's: "nvfp4" (the NVFP4 page) or "fp8" (FP8 E4M3 keys, NVFP4 values: a page 25/18 the
-size). vLLM sizes every layer's page from one backend-wide spec hook that does not see the layer, so a model's layers
+The key format is the model's: "nvfp4" (the NVFP4 page), "fp8" (FP8 E4M3 keys, NVFP4 values: a page 25/18 the size)
+or "int8" (INT8 keys with one fp16 scale per token and head, NVFP4 values; CPU backend only). vLLM sizes every layer's page from one backend-wide spec hook that does not see the layer, so a model's layers
 share one key format. Every layer then picks:
 - its store rule: "nvfp4" (block scale max/6) or "nvfp4_4over6" (max/6 or max/4, whichever errs less);
 - optionally per-channel key smoothing: keys are stored as k / s and queries multiplied by s before attention,
@@ -12,7 +12,7 @@ share one key format. Every layer then picks:
   their common envelope is a property of the channel pair.
 
 File (JSON): {"format": FORMAT, "model": str, "num_layers": L, "num_kv_heads": H, "head_size": D,
-"key_format": "nvfp4" | "fp8" (optional, default "nvfp4"), "layers": [{"layer": i, "mode": "nvfp4" | "nvfp4_4over6", "key_scales": [[D floats] * H] | null}, ...]} with
+"key_format": "nvfp4" | "fp8" | "int8" (optional, default "nvfp4"), "layers": [{"layer": i, "mode": "nvfp4" | "nvfp4_4over6", "key_scales": [[D floats] * H] | null}, ...]} with
 exactly one entry per layer 0..L-1; other keys (the calibration's statistics) are kept but not read.
 """
 
@@ -26,7 +26,7 @@ import torch
 
 FORMAT = "vllm_nvfp4_plugin.kv_calibration/1"
 LAYER_MODES = ("nvfp4", "nvfp4_4over6")
-KEY_FORMATS = ("nvfp4", "fp8")
+KEY_FORMATS = ("nvfp4", "fp8", "int8")
 
 
 class CalibrationError(ValueError):

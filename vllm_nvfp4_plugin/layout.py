@@ -11,6 +11,9 @@ from dataclasses import dataclass, replace
 import torch
 
 NVFP4_GROUP = 16  # head-dim elements that share one FP8 block scale
+# How the K side stores a (token, head) key: NVFP4 like the V side, FP8 E4M3 bytes, or INT8 codes with one fp16 scale.
+KEY_FORMATS = ("nvfp4", "fp8", "int8")
+INT8_KEY_SCALE_BYTES = 2  # one little-endian IEEE fp16 scale per (token, head) of an int8-key page
 
 
 @dataclass(frozen=True)
@@ -20,8 +23,10 @@ class NVFP4PageLayout:
     Each side (K, V) of a block is `[DATA | SCALES]`; inside each region a (token, head) entry sits in
     NHD order (token-major) or HND order (head-major). V scales may be stored swizzled for trtllm-gen.
 
-    With `fp8_keys` the K side holds FP8 E4M3 keys instead, `key_dim` = head_size bytes per (token, head) entry in
-    the same entry order and no block scales (key ≈ fp8 · k_scale); the V side is unchanged and follows the K side.
+    `key_format` "fp8": the K side holds FP8 E4M3 keys instead, `key_dim` = head_size bytes per (token, head) entry in
+    the same entry order and no block scales (key ≈ fp8 · k_scale). "int8": the K side is `[DATA | SCALES]` with
+    head_size int8 codes per entry, then each entry's fp16 scale, both in the entry order (key ≈ code · scale ·
+    k_scale; `key_dim` = head_size + 2). Either way the V side is unchanged and follows the K side.
     """
 
     head_size: int
@@ -29,9 +34,11 @@ class NVFP4PageLayout:
     num_heads: int
     hnd: bool = False
     swizzle_v_scales: bool = False
-    fp8_keys: bool = False
+    key_format: str = "nvfp4"
 
     def __post_init__(self):
+        if self.key_format not in KEY_FORMATS:
+            raise ValueError(f"key_format must be one of {KEY_FORMATS}, got {self.key_format!r}")
         if self.head_size <= 0 or self.head_size % NVFP4_GROUP:
             raise ValueError(f"head_size must be a positive multiple of 16 for NVFP4, got {self.head_size}")
         if self.block_size <= 0 or self.num_heads <= 0:
@@ -41,6 +48,14 @@ class NVFP4PageLayout:
                 raise ValueError(f"swizzle_v_scales needs block_size % 4 == 0, got block_size={self.block_size}")
             if self.scale_dim % 4:
                 raise ValueError(f"swizzle_v_scales needs head_size % 64 == 0, got head_size={self.head_size}")
+
+    @property
+    def fp8_keys(self) -> bool:
+        return self.key_format == "fp8"
+
+    @property
+    def int8_keys(self) -> bool:
+        return self.key_format == "int8"
 
     # --- sizes -------------------------------------------------------------------------------------
     @property
@@ -64,12 +79,14 @@ class NVFP4PageLayout:
         return self.entries * self.data_dim
 
     @property
-    def side_bytes(self) -> int:  # one NVFP4 side (V; K too without fp8_keys)
+    def side_bytes(self) -> int:  # one NVFP4 side (V; K too with NVFP4 keys)
         return self.entries * self.full_dim
 
     @property
     def key_dim(self) -> int:  # bytes per (token, head) on the K side
-        return self.head_size if self.fp8_keys else self.full_dim
+        if self.key_format == "nvfp4":
+            return self.full_dim
+        return self.head_size + (INT8_KEY_SCALE_BYTES if self.int8_keys else 0)
 
     @property
     def key_side_bytes(self) -> int:
@@ -93,6 +110,14 @@ class NVFP4PageLayout:
         """Byte offset of (token, head)'s first FP8 key byte in the K side of an `fp8_keys` page."""
         return self.entry_index(token, head) * self.head_size
 
+    def int8_key_offset(self, token, head):
+        """Byte offset of (token, head)'s first int8 code in the K side of an int8-key page."""
+        return self.entry_index(token, head) * self.head_size
+
+    def int8_key_scale_offset(self, token, head):
+        """Byte offset of (token, head)'s fp16 scale in the K side of an int8-key page (after every entry's codes)."""
+        return self.entries * self.head_size + self.entry_index(token, head) * INT8_KEY_SCALE_BYTES
+
     def scale_offset(self, token, head, s, swizzled: bool = False):
         """Byte offset of scale `s` of (token, head); `swizzled` applies trtllm-gen's V-scale order."""
         if swizzled:
@@ -106,8 +131,8 @@ class NVFP4PageLayout:
 
     def allocate(self, num_blocks: int, device="cpu", fill: int | None = None) -> torch.Tensor:
         """A cache as vLLM allocates it: HND is allocated head-major and permuted to the logical order."""
-        if self.fp8_keys:
-            raise ValueError("an fp8_keys page has sides of different sizes: use allocate_sides")
+        if self.key_format != "nvfp4":
+            raise ValueError(f"a {self.key_format}-key page has sides of different sizes: use allocate_sides")
         if self.hnd:
             t = torch.empty((num_blocks, 2, self.num_heads, self.block_size, self.full_dim),
                             dtype=torch.uint8, device=device).permute(0, 1, 3, 2, 4)
@@ -119,7 +144,7 @@ class NVFP4PageLayout:
 
     def allocate_sides(self, num_blocks: int, device="cpu", fill: int | None = None):
         """(key_cache, value_cache) `[num_blocks, block_size, num_heads, key_dim / full_dim]` over one buffer of
-        `page_bytes` per block, K side first (either key format)."""
+        `page_bytes` per block, K side first (any key format)."""
         pages = torch.empty((num_blocks, self.page_bytes), dtype=torch.uint8, device=device)
         if fill is not None:
             pages.fill_(fill)
@@ -165,18 +190,22 @@ class NVFP4PageLayout:
     @classmethod
     def from_caches(cls, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     swizzle_v_scales: bool = False) -> "NVFP4PageLayout":
-        """Layout of a (key_cache, value_cache) pair: NVFP4 keys when both sides have one shape, FP8 keys when
-        key_cache's last dim is value_cache's head size; raises ValueError naming the rule it breaks."""
+        """Layout of a (key_cache, value_cache) pair: NVFP4 keys when both sides have one shape, else the key format
+        key_cache's last dim names (value_cache's head size: FP8 keys; head size + 2: INT8 keys); raises ValueError
+        naming the rule it breaks."""
         if key_cache.dim() == 4 and value_cache.dim() == 4 and key_cache.shape != value_cache.shape:
             layout = cls.from_side_cache(value_cache, swizzle_v_scales)
-            if tuple(key_cache.shape) != (*value_cache.shape[:3], layout.head_size):
-                raise ValueError(f"key_cache must have value_cache's shape {tuple(value_cache.shape)} (NVFP4 keys) or "
-                                 f"last dim head_size = {layout.head_size} (FP8 keys), got {tuple(key_cache.shape)}")
-            layout = replace(layout, fp8_keys=True)
-            strides = (*layout._entry_strides(layout.head_size), 1)
+            head, last = layout.head_size, key_cache.shape[-1]
+            key_format = {head: "fp8", head + INT8_KEY_SCALE_BYTES: "int8"}.get(last)
+            if key_format is None or tuple(key_cache.shape[:3]) != tuple(value_cache.shape[:3]):
+                raise ValueError(f"key_cache must have value_cache's shape {tuple(value_cache.shape)} (NVFP4 keys), "
+                                 f"or its blocks, block size and heads with last dim head_size = {head} (FP8 keys) or "
+                                 f"head_size + 2 = {head + 2} (INT8 keys), got {tuple(key_cache.shape)}")
+            layout = replace(layout, key_format=key_format)
+            strides = (*layout._entry_strides(last), 1)
             if any(key_cache.size(d) > 1 and key_cache.stride(d) != strides[d - 1] for d in (1, 2, 3)):
-                raise ValueError(f"key_cache must hold contiguous FP8 block sides in value_cache's order (NHD or HND), "
-                                 f"got strides {tuple(key_cache.stride())}")
+                raise ValueError(f"key_cache must hold contiguous {key_format.upper()} block sides in value_cache's "
+                                 f"order (NHD or HND), got strides {tuple(key_cache.stride())}")
             return layout
         return cls.from_side_cache(key_cache, swizzle_v_scales)
 
@@ -196,7 +225,7 @@ class NVFP4PageLayout:
         return side_cache.as_strided((side_cache.size(0), self.side_bytes), (side_cache.stride(0), 1))
 
     def key_side_bytes_view(self, key_cache: torch.Tensor) -> torch.Tensor:
-        """`[num_blocks, key_side_bytes]` byte view of the K side (either key format)."""
+        """`[num_blocks, key_side_bytes]` byte view of the K side (any key format)."""
         return key_cache.as_strided((key_cache.size(0), self.key_side_bytes), (key_cache.stride(0), 1))
 
 

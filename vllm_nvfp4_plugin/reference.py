@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from .layout import NVFP4_GROUP, IndexerCacheLayout, NVFP4PageLayout
+from .layout import INT8_KEY_SCALE_BYTES, NVFP4_GROUP, IndexerCacheLayout, NVFP4PageLayout
 
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+INT8_KEY_MAX = 127
+FP16_MAX = 65504.0
+FP16_NAN_BITS = 0x7E00  # the scale an int8 key with a NaN element stores
 _F32 = torch.float32
 
 
@@ -111,6 +114,45 @@ def fp8_key_decode(codes: torch.Tensor, k_scale, dtype=torch.float32) -> torch.T
     return (codes.view(torch.float8_e4m3fn).to(_F32) * _f32(k_scale).to(codes.device)).to(dtype)
 
 
+def int8_key_encode(key: torch.Tensor, k_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT8 keys of an int8-key page: (codes uint8 `[..., head_size]`, fp16 scale bytes uint8 `[..., 2]`).
+
+    Per (token, head), v = key / k_scale in float32, scale = fp16(min(max |v| / 127, 65504)) to nearest even, codes
+    round-half-even(v / scale) clamped to ±127 (all 0 where the scale is 0). A NaN in v stores the fp16 NaN 0x7E00
+    and all-zero codes (the entry decodes to NaN); ±inf saturates to ±127 · 65504.
+    """
+    v = key.to(_F32) / _f32(k_scale).to(key.device)
+    amax = v.abs().amax(-1)
+    nan = amax.isnan()
+    scale = (amax / _f32(INT8_KEY_MAX).to(key.device)).clamp(max=FP16_MAX).to(torch.float16)
+    scale_f = scale.to(_F32).unsqueeze(-1)
+    codes = (v / scale_f).round().clamp(-INT8_KEY_MAX, INT8_KEY_MAX)
+    codes = torch.where((scale_f == 0) | nan.unsqueeze(-1), torch.zeros_like(codes), codes)
+    scale_bits = torch.where(nan, torch.tensor(FP16_NAN_BITS, dtype=torch.int16, device=key.device),
+                             scale.view(torch.int16))
+    scale_bytes = torch.stack([scale_bits & 0xFF, (scale_bits >> 8) & 0xFF], -1).to(torch.uint8)
+    return codes.to(torch.int8).view(torch.uint8), scale_bytes
+
+
+def int8_key_decode(codes: torch.Tensor, scale_bytes: torch.Tensor, k_scale, dtype=torch.float32) -> torch.Tensor:
+    """code · scale · k_scale in float32 (left to right), then cast to `dtype`; a NaN is the positive quiet NaN (as
+    the kernels' c10 conversions give it; torch's vector conversions may give another NaN)."""
+    bits = scale_bytes[..., 0].to(torch.int32) | (scale_bytes[..., 1].to(torch.int32) << 8)
+    scale = bits.to(torch.int16).view(torch.float16).to(_F32).unsqueeze(-1)
+    decoded = codes.view(torch.int8).to(_F32) * scale * _f32(k_scale).to(codes.device)
+    decoded = decoded.to(dtype)
+    return torch.where(decoded.isnan(), torch.full_like(decoded, float("nan")), decoded)
+
+
+def _int8_key_offsets(layout: NVFP4PageLayout, offsets: torch.Tensor):
+    """Byte offsets `[n, heads, head_size]` of the codes and `[n, heads, 2]` of the scales at block offsets `offsets`
+    inside a K side of an int8-key page."""
+    t, h = offsets.view(-1, 1, 1), torch.arange(layout.num_heads, device=offsets.device).view(1, -1, 1)
+    codes = layout.int8_key_offset(t, h) + torch.arange(layout.head_size, device=offsets.device)
+    scales = layout.int8_key_scale_offset(t, h) + torch.arange(INT8_KEY_SCALE_BYTES, device=offsets.device)
+    return codes, scales
+
+
 def _fp8_key_offsets(layout: NVFP4PageLayout, offsets: torch.Tensor):
     """Byte offsets `[n, heads, head_size]` of the FP8 keys at block offsets `offsets` inside a K side."""
     h = torch.arange(layout.num_heads, device=offsets.device).view(1, -1, 1)
@@ -129,6 +171,12 @@ def reshape_and_cache_nvfp4(key, value, key_cache, value_cache, slot_mapping, k_
         key_off = _fp8_key_offsets(layout, offsets)
         flat = layout.key_side_bytes_view(key_cache)
         flat[blocks.view(-1, 1, 1).expand_as(key_off), key_off] = fp8_key_encode(key[valid], k_scale)
+    elif layout.int8_keys:
+        code_off, scale_off = _int8_key_offsets(layout, offsets)
+        flat, rows = layout.key_side_bytes_view(key_cache), blocks.view(-1, 1, 1)
+        codes, scale_bytes = int8_key_encode(key[valid], k_scale)
+        flat[rows.expand_as(code_off), code_off] = codes
+        flat[rows.expand_as(scale_off), scale_off] = scale_bytes
     else:
         sides.insert(0, (key_cache, key, k_scale, False))
     for side_cache, x, g, swizzled in sides:
@@ -168,6 +216,11 @@ def gather_nvfp4_kv_cache(key_cache, value_cache, block_table, cu_seq_lens, k_sc
         key_off = _fp8_key_offsets(layout, offsets)
         flat = layout.key_side_bytes_view(key_cache)
         out_key[rows] = fp8_key_decode(flat[blocks.view(-1, 1, 1).expand_as(key_off), key_off], k_scale, out_key.dtype)
+    elif layout.int8_keys:
+        code_off, scale_off = _int8_key_offsets(layout, offsets)
+        flat, b = layout.key_side_bytes_view(key_cache), blocks.view(-1, 1, 1)
+        out_key[rows] = int8_key_decode(flat[b.expand_as(code_off), code_off], flat[b.expand_as(scale_off), scale_off],
+                                        k_scale, out_key.dtype)
     else:
         sides.insert(0, (key_cache, out_key, k_scale, False))
     for side_cache, out, g, swizzled in sides:

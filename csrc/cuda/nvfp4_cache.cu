@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_4over6_kernel
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) x[i] = to_float(k[i]);
     uint8_t* side = key_cache + block * key_block_stride;
-    if (layout.fp8_keys) {  // FP8 keys take no 4over6 choice: e4m3(k / k_scale)
+    if (layout.fp8_keys()) {  // FP8 keys take no 4over6 choice: e4m3(k / k_scale)
       uint8_t* dst = side + layout.fp8_key_offset(offset, head) + g * GROUP;
 #pragma unroll
       for (int i = 0; i < GROUP; ++i) dst[i] = e4m3_byte(x[i] / kg);
@@ -342,7 +342,7 @@ void store_cuda(const char* op, bool four_over_six, const Tensor& key, const Ten
         activations_aligned<T>(key) && activations_aligned<T>(value) && cache_aligned(key_cache, value_cache);
     if (four_over_six)
       launch(reshape_and_cache_nvfp4_4over6_kernel<T>);
-    else if (layout.fp8_keys)
+    else if (layout.fp8_keys())
       launch(vector ? reshape_and_cache_nvfp4_kernel<true, true, T> : reshape_and_cache_nvfp4_kernel<false, true, T>);
     else
       launch(vector ? reshape_and_cache_nvfp4_kernel<true, false, T> : reshape_and_cache_nvfp4_kernel<false, false, T>);
@@ -393,7 +393,7 @@ void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cac
     };
     const bool vector =
         activations_aligned<T>(out_key) && activations_aligned<T>(out_value) && cache_aligned(key_cache, value_cache);
-    if (layout.fp8_keys)
+    if (layout.fp8_keys())
       launch(vector ? gather_nvfp4_kv_cache_kernel<true, true, T> : gather_nvfp4_kv_cache_kernel<false, true, T>);
     else
       launch(vector ? gather_nvfp4_kv_cache_kernel<true, false, T> : gather_nvfp4_kv_cache_kernel<false, false, T>);

@@ -1488,7 +1488,7 @@ void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, co
     }
   };
   auto by_keys = [&](auto tag) {
-    if (layout.fp8_keys)
+    if (layout.fp8_keys())
       by_type(tag, std::true_type{});
     else
       by_type(tag, std::false_type{});

@@ -12,13 +12,15 @@
    relative to the logits' own spread, and the values' relative squared error. "nvfp4 + smooth" takes each layer's
    best alpha under plain NVFP4; "nvfp4 auto" takes per layer the cheapest candidate (plain before 4over6, weaker
    smoothing before stronger) whose errors stay within `--error-budget` of the layer's best; "fp8 keys" keeps FP8
-   E4M3 keys and that store rule for each layer's values. The calibration files (format:
+   E4M3 keys and "int8 keys" INT8 keys (one fp16 scale per token and head), each with the store rule of smaller
+   error for each layer's values. The calibration files (format:
    vllm_nvfp4_plugin/kv_calibration.py) go to DIR.
 3. Fidelity in vLLM: every mode, and vLLM's own FP8 cache, teacher-forced along the bf16 engine's greedy
    continuations of the evaluation questions (tools/fidelity.py): top-1 agreement, KL and perplexity against the bf16
-   cache. `auto` is "nvfp4 auto" (the NVFP4 page) when its perplexity rises by at most `--ppl-budget` and its top-1
-   is within `--top1-budget` of FP8 keys', else "fp8 keys" (a page 25/18 the size: vLLM gives a model's layers one
-   page format, so the key format is the model's). Without the fidelity run, `auto` is "nvfp4 auto".
+   cache. `auto` is the page of most capacity among "nvfp4 auto", "fp8 keys" and "int8 keys" whose perplexity rises
+   by at most `--ppl-budget` and whose top-1 is within `--top1-budget` of vLLM's FP8 K+V cache's; when none is, the
+   one of least perplexity (vLLM gives a model's layers one page format, so the key format is the model's). Without
+   the fidelity run, `auto` is "nvfp4 auto".
 4. The KV capacity vLLM reports for a cache budget, from the page sizes.
 
 Writes DIR/calibration_<policy>.json (engine input: `--additional-config '{"vllm_nvfp4_plugin":
@@ -45,6 +47,8 @@ SAMPLE_QUERIES = 256  # queries per layer for the logit errors
 ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)  # smoothing strengths tried; 0 is none
 MODES = ("nvfp4", "nvfp4_4over6")
 FP8_KEYS = "fp8 keys"
+INT8_KEYS = "int8 keys"
+KEY_FORMAT_OF = {FP8_KEYS: "fp8", INT8_KEYS: "int8"}  # policies whose pages keep byte keys; the others NVFP4 keys
 
 
 def gsm8k_prompts(first: int, count: int) -> list[str]:
@@ -89,6 +93,11 @@ class LayerStats:
 def restore_fp8(x: torch.Tensor) -> torch.Tensor:
     """decode(encode(x)) of FP8 keys at the layer's default global scale 1."""
     return reference.fp8_key_decode(reference.fp8_key_encode(x, 1.0), 1.0)
+
+
+def restore_int8(x: torch.Tensor) -> torch.Tensor:
+    """decode(encode(x)) of INT8 keys at the layer's default global scale 1."""
+    return reference.int8_key_decode(*reference.int8_key_encode(x, 1.0), 1.0)
 
 
 def restore(x: torch.Tensor, four_over_six: bool, scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,6 +157,17 @@ def capacity_tokens(num_layers: int, num_kv_heads: int, head_size: int, budget_b
     return int(budget_bytes // per_block) * block_size
 
 
+def choose_page(by_name: dict, ppl_budget: float, top1_budget: float) -> str:
+    """The policy of most capacity among the pages `auto` chooses from whose perplexity rises by at most
+    `ppl_budget` and whose top-1 is within `top1_budget` of vLLM's FP8 K+V cache's; else the one of least
+    perplexity."""
+    pages = sorted(("nvfp4 auto", *KEY_FORMAT_OF), key=lambda name: -by_name[name]["capacity_tokens"])
+    top1_floor = by_name["fp8 (vLLM)"]["top1"] - top1_budget
+    within = [name for name in pages
+              if by_name[name]["ppl_increase"] <= ppl_budget and by_name[name]["top1"] >= top1_floor]
+    return within[0] if within else min(pages, key=lambda name: by_name[name]["perplexity"])
+
+
 def write_markdown(path: Path, report: dict) -> None:
     lines = [f"# KV-cache modes of {report['model']}", "",
              f"{report['fidelity_positions']} decode positions ({report['eval_prompts']} GSM8K questions, bf16 greedy "
@@ -161,12 +181,14 @@ def write_markdown(path: Path, report: dict) -> None:
                      f"{row.get('top1', float('nan')):.3f} | {row.get('mean_kl', float('nan')):.4f} | "
                      f"{row.get('perplexity', float('nan')):.4f} | {100 * row.get('ppl_increase', float('nan')):+.2f}% |")
     lines += ["", "| layer | key max | value max | outlier channels | nvfp4 logit error | nvfp4 auto | "
-              "its logit error | fp8 keys logit error |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "its logit error | fp8 keys logit error | int8 keys logit error |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for layer in report["layers"]:
         auto, plain = layer["auto"], layer["candidates"][0]
         lines.append(f"| {layer['layer']} | {layer['key_max']:.1f} | {layer['value_max']:.1f} | "
                      f"{len(layer['outlier_channels'])} | {plain['logit_error']:.2e} | {auto['mode']}, alpha "
-                     f"{auto['alpha']} | {auto['logit_error']:.2e} | {layer['fp8_key_logit_error']:.2e} |")
+                     f"{auto['alpha']} | {auto['logit_error']:.2e} | {layer['fp8_key_logit_error']:.2e} | "
+                     f"{layer['int8_key_logit_error']:.2e} |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -206,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ppl-budget", type=float, default=0.01,
                         help="auto: largest perplexity increase over bf16 that keeps NVFP4 keys (default 0.01)")
     parser.add_argument("--top1-budget", type=float, default=0.01,
-                        help="auto: largest top-1 shortfall against FP8 keys that keeps NVFP4 keys (default 0.01)")
+                        help="auto: largest top-1 shortfall against vLLM's FP8 K+V cache a page may have (default 0.01)")
     parser.add_argument("--no-fidelity", action="store_true", help="statistics and policies only")
     args = parser.parse_args(argv)
     if args.calibration_prompts <= 0 or args.eval_prompts <= 0:
@@ -222,7 +244,7 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     engine = {"max_model_len": args.max_model_len, "kv_cache_memory_bytes": args.budget_mib << 20,
               "dtype": "bfloat16", "enforce_eager": True}
-    candidates_order = ["nvfp4", "nvfp4_4over6", "nvfp4 + smooth", "nvfp4 auto", FP8_KEYS]
+    candidates_order = ["nvfp4", "nvfp4_4over6", "nvfp4 + smooth", "nvfp4 auto", FP8_KEYS, INT8_KEYS]
     progress = tqdm(total=1 + (0 if args.no_fidelity else 2 + len(candidates_order)), desc="calibrate", unit="engine")
 
     stats = LayerStats()
@@ -243,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise RuntimeError(f"the statistics engine showed layers {sorted(stats.key_amax)}, expected 0..{num_layers - 1}"
                            " (statistics need the plugin's CPU backend: run on a CPU host)")
 
-    layers, policies = [], {"nvfp4 + smooth": [], "nvfp4 auto": [], FP8_KEYS: []}
+    layers, policies = [], {"nvfp4 + smooth": [], "nvfp4 auto": [], FP8_KEYS: [], INT8_KEYS: []}
     for i in range(num_layers):
         key_amax, value_amax = stats.key_amax[i], stats.value_amax[i]
         keys, values = torch.cat(stats.keys[i]), torch.cat(stats.values[i])
@@ -257,18 +279,20 @@ def main(argv: list[str] | None = None) -> dict:
                        "key_channel_max": key_amax.tolist(), "value_channel_max": value_amax.tolist(),
                        "outlier_channels": outliers, "candidates": candidates, "auto": auto,
                        "smooth_alpha": smooth["alpha"],
-                       "fp8_key_logit_error": logit_error(queries, keys, restore_fp8(keys))})
+                       "fp8_key_logit_error": logit_error(queries, keys, restore_fp8(keys)),
+                       "int8_key_logit_error": logit_error(queries, keys, restore_int8(keys))})
         policies["nvfp4 + smooth"].append({"mode": "nvfp4", "alpha": smooth["alpha"], "key_scales":
                                            smoothing_scales(key_amax, smooth["alpha"]) if smooth["alpha"] else None})
         policies["nvfp4 auto"].append({"mode": auto["mode"], "alpha": auto["alpha"], "key_scales":
                                        smoothing_scales(key_amax, auto["alpha"]) if auto["alpha"] else None})
         value_mode = min(MODES, key=lambda m: next(c["value_error"] for c in candidates if c["mode"] == m))
         policies[FP8_KEYS].append({"mode": value_mode, "key_scales": None})
+        policies[INT8_KEYS].append({"mode": value_mode, "key_scales": None})
     files = {name: out / f"calibration_{name.replace(' + ', '_').replace(' ', '_')}.json" for name in policies}
 
     def save(name: str, path: Path) -> None:
         kv_calibration.save(path, str(args.model), num_kv_heads, head_size, policies[name],
-                            "fp8" if name == FP8_KEYS else "nvfp4")
+                            KEY_FORMAT_OF.get(name, "nvfp4"))
 
     for name, path in files.items():
         save(name, path)
@@ -279,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
         return capacity_tokens(num_layers, num_kv_heads, head_size, budget, block_size, bytes_per_token_per_head)
 
     bf16_tokens = capacity(4 * head_size)
-    page_bytes = {name: NVFP4PageLayout(head_size, 1, 1, fp8_keys=name == FP8_KEYS).page_bytes  # one token and head
+    page_bytes = {name: NVFP4PageLayout(head_size, 1, 1, key_format=KEY_FORMAT_OF.get(name, "nvfp4")).page_bytes
                   for name in candidates_order}
     page_bytes["fp8 (vLLM)"] = 2 * head_size
     modes = [{"mode": "bf16", "capacity_tokens": bf16_tokens, "capacity_ratio": 1.0}]
@@ -295,7 +319,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_fidelity:
         engines = {"nvfp4": {"kv_cache_dtype": "nvfp4"}, "nvfp4_4over6": {"kv_cache_dtype": "nvfp4_4over6"},
                    "fp8 (vLLM)": {"kv_cache_dtype": "fp8"}}
-        for name in ("nvfp4 + smooth", "nvfp4 auto", FP8_KEYS):
+        for name in ("nvfp4 + smooth", "nvfp4 auto", FP8_KEYS, INT8_KEYS):
             engines[name] = {"kv_cache_dtype": "nvfp4",
                              "additional_config": {"vllm_nvfp4_plugin": {"kv_calibration": str(files[name])}}}
         results = teacher_forced_comparison(args.model, gsm8k_prompts(0, args.eval_prompts), engines,
@@ -308,10 +332,7 @@ def main(argv: list[str] | None = None) -> dict:
             report["fidelity_positions"] = r.num_positions
             modes[0].update(top1=1.0, mean_kl=0.0, perplexity=r.reference_perplexity, ppl_increase=0.0)
     by_name = {row["mode"]: row for row in modes}
-    nvfp4_auto, fp8_keys = by_name["nvfp4 auto"], by_name[FP8_KEYS]
-    keeps_nvfp4 = args.no_fidelity or (nvfp4_auto["ppl_increase"] <= args.ppl_budget and
-                                       nvfp4_auto["top1"] >= fp8_keys["top1"] - args.top1_budget)
-    chosen = "nvfp4 auto" if keeps_nvfp4 else FP8_KEYS
+    chosen = "nvfp4 auto" if args.no_fidelity else choose_page(by_name, args.ppl_budget, args.top1_budget)
     files["auto"] = out / "calibration_auto.json"
     save(chosen, files["auto"])
     modes.append({**by_name[chosen], "mode": "auto", "policy": chosen})

@@ -51,17 +51,17 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _layout_name(w: dict) -> str:
     """The layout detected from the caches' strides and shapes (a cache read with the wrong one is garbage)."""
     layout = NVFP4PageLayout.from_caches(*w["sides"])
-    return ("HND" if layout.hnd else "NHD") + (", FP8 keys" if layout.fp8_keys else "")
+    return ("HND" if layout.hnd else "NHD") + ("" if layout.key_format == "nvfp4" else f", {layout.key_format.upper()} keys")
 
 
 def _order(swizzle: bool) -> str:
     return "swizzled" if swizzle else "linear"
 
 
-def _written_cache(device, hnd: bool, swizzle: bool, gen: torch.Generator, fp8_keys: bool = False):
+def _written_cache(device, hnd: bool, swizzle: bool, gen: torch.Generator, key_format: str = "nvfp4"):
     """A cache (its (key_cache, value_cache) pair) holding SEQ_LENS tokens (shuffled blocks) written by the plugin's
     store on `device`, with its inputs and one decode query per sequence."""
-    layout = NVFP4PageLayout(HEAD_SIZE, BLOCK_SIZE, KV_HEADS, hnd, swizzle, fp8_keys)
+    layout = NVFP4PageLayout(HEAD_SIZE, BLOCK_SIZE, KV_HEADS, hnd, swizzle, key_format)
     case = PagedCase([(1, n) for n in SEQ_LENS], layout, Q_HEADS, gen, k_scale=K_SCALE, v_scale=V_SCALE,
                      unused_entry=-1)
     key, value, slots = case.context_tokens()
@@ -83,8 +83,8 @@ def _cpu_sides(w: dict):
     return layout.side_views(pages)
 
 
-def check_store(device, hnd: bool, swizzle: bool, gen: torch.Generator, fp8_keys: bool = False) -> Row:
-    w = _written_cache(device, hnd, swizzle, gen, fp8_keys)
+def check_store(device, hnd: bool, swizzle: bool, gen: torch.Generator, key_format: str = "nvfp4") -> Row:
+    w = _written_cache(device, hnd, swizzle, gen, key_format)
     expected = w["layout"].allocate_sides(w["sides"][0].size(0), "cpu", fill=0)
     reference.reshape_and_cache_nvfp4(w["key"], w["value"], *expected, w["slots"], *w["scales"], swizzle)
     differing = sum(int((_bits(got) != _bits(want)).sum()) for got, want in zip(_cpu_sides(w), expected))
@@ -93,8 +93,8 @@ def check_store(device, hnd: bool, swizzle: bool, gen: torch.Generator, fp8_keys
                differing == 0, f"{differing} of {total} bytes differ")
 
 
-def check_gather(device, hnd: bool, swizzle: bool, gen: torch.Generator, fp8_keys: bool = False) -> Row:
-    w = _written_cache(device, hnd, swizzle, gen, fp8_keys)
+def check_gather(device, hnd: bool, swizzle: bool, gen: torch.Generator, key_format: str = "nvfp4") -> Row:
+    w = _written_cache(device, hnd, swizzle, gen, key_format)
     total = int(w["cu"][-1])
     outs = [torch.full((total + 4, KV_HEADS, HEAD_SIZE), 7.0, dtype=torch.bfloat16, device=device) for _ in range(2)]
     ops.gather_nvfp4_kv_cache(*w["sides"], w["table"].to(device), w["cu"].to(device),
@@ -224,13 +224,13 @@ def _exact_read_back(w: dict, q: torch.Tensor, swizzle: bool) -> torch.Tensor:
 
 
 def check_read_back(device, hnd: bool, gen: torch.Generator, written_swizzled: bool = False,
-                    fp8_keys: bool = False) -> Row:
+                    key_format: str = "nvfp4") -> Row:
     """Store with the plugin, decode through the backend's reader (linear V scales), compare with exact attention.
 
     With `written_swizzled` the cache is written in trtllm-gen's V-scale order instead: the linear reader must
     then be off by far more than the tolerance, or the check could not catch a V-scale order mix-up.
     """
-    w = _written_cache(device, hnd, written_swizzled, gen, fp8_keys)
+    w = _written_cache(device, hnd, written_swizzled, gen, key_format)
     q = w["q"].to(device)
     got = _read_attention(device, w, q, SWIZZLE_V_SCALES)
     exact = _exact_read_back(w, q, written_swizzled)
@@ -259,9 +259,13 @@ def run_checks(device) -> list[Row]:
     checks += [("read-back", check_read_back, (device, hnd, gen)) for hnd in (False, True)]
     checks.append(("swizzled-V read-back", check_read_back, (device, False, gen, True)))
     for hnd in (False, True):  # the FP8-key page (docs/FORMATS.md §1)
-        checks += [("reshape_and_cache_nvfp4, FP8 keys", check_store, (device, hnd, hnd, gen, True)),
-                   ("gather_nvfp4_kv_cache, FP8 keys", check_gather, (device, hnd, hnd, gen, True)),
-                   ("read-back, FP8 keys", check_read_back, (device, hnd, gen, False, True))]
+        checks += [("reshape_and_cache_nvfp4, FP8 keys", check_store, (device, hnd, hnd, gen, "fp8")),
+                   ("gather_nvfp4_kv_cache, FP8 keys", check_gather, (device, hnd, hnd, gen, "fp8")),
+                   ("read-back, FP8 keys", check_read_back, (device, hnd, gen, False, "fp8"))]
+    for hnd in (False, True) if str(device) == "cpu" else ():  # the INT8-key page: CPU kernels only
+        checks += [("reshape_and_cache_nvfp4, INT8 keys", check_store, (device, hnd, hnd, gen, "int8")),
+                   ("gather_nvfp4_kv_cache, INT8 keys", check_gather, (device, hnd, hnd, gen, "int8")),
+                   ("read-back, INT8 keys", check_read_back, (device, hnd, gen, False, "int8"))]
     rows = []
     for name, check, check_args in checks:
         try:

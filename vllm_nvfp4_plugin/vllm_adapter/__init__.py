@@ -29,9 +29,10 @@ def register_all() -> None:
 
 
 def register_kv_cache_dtypes() -> None:
-    """`--kv-cache-dtype nvfp4_k8v4` (FP8 keys, NVFP4 values) through vLLM's `register_kv_cache_dtype` (0.33): a
-    uint8 cache of vLLM's NVFP4 quant mode, so vLLM hands its spec to the plugin's backends. vLLM 0.32 has no such
-    hook; there the page is `--kv-cache-dtype nvfp4` with the `key_format` option."""
+    """`--kv-cache-dtype nvfp4_k8v4` (FP8 keys, NVFP4 values) and `nvfp4_ki8v4` (INT8 keys, NVFP4 values; CPU only)
+    through vLLM's `register_kv_cache_dtype` (0.33): uint8 caches of vLLM's NVFP4 quant mode, so vLLM hands their
+    specs to the plugin's backends. vLLM 0.32 has no such hook; there the pages are `--kv-cache-dtype nvfp4` with the
+    `key_format` option."""
     try:
         from vllm.config.cache import KV_CACHE_DTYPES, register_kv_cache_dtype
     except ImportError:
@@ -39,22 +40,25 @@ def register_kv_cache_dtypes() -> None:
     import torch
     from vllm.v1.kv_cache_interface import KVQuantMode
 
-    from .spec import FP8_KEYS_KV_CACHE_DTYPE
+    from .spec import KEY_FORMAT_OF_KV_CACHE_DTYPE
 
-    if FP8_KEYS_KV_CACHE_DTYPE in KV_CACHE_DTYPES:
-        return
+    def nvfp4_values_dtype(dtype_name: str) -> type:
+        class NVFP4ValuesKVCacheDtype:
+            name = dtype_name
 
-    @register_kv_cache_dtype(FP8_KEYS_KV_CACHE_DTYPE)
-    class FP8KeysNVFP4Values:
-        name = FP8_KEYS_KV_CACHE_DTYPE
+            def torch_dtype(self):
+                return torch.uint8
 
-        def torch_dtype(self):
-            return torch.uint8
+            def quant_mode(self):
+                return KVQuantMode.NVFP4
 
-        def quant_mode(self):
-            return KVQuantMode.NVFP4
+        return NVFP4ValuesKVCacheDtype
 
-    logger.info("vllm_nvfp4_plugin registered kv_cache_dtype %r (FP8 keys, NVFP4 values)", FP8_KEYS_KV_CACHE_DTYPE)
+    for name, key_format in KEY_FORMAT_OF_KV_CACHE_DTYPE.items():
+        if name in KV_CACHE_DTYPES:
+            continue
+        register_kv_cache_dtype(name)(nvfp4_values_dtype(name))
+        logger.info("vllm_nvfp4_plugin registered kv_cache_dtype %r (%s keys, NVFP4 values)", name, key_format.upper())
 
 
 def register_attention_backends() -> None:

@@ -9,7 +9,7 @@ from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
 
 from ..kv_calibration import KEY_FORMATS, KVCalibration, LayerPolicy, load
 from ..attention import NVFP4AttentionMetadata, cache_sides, check_supported, store_kv
-from .spec import FP8_KEYS_KV_CACHE_DTYPE, NVFP4_4OVER6_KV_CACHE_DTYPE, check_nvfp4_kv_cache_dtype, page_view
+from .spec import KEY_FORMAT_OF_KV_CACHE_DTYPE, NVFP4_4OVER6_KV_CACHE_DTYPE, check_nvfp4_kv_cache_dtype, page_view
 
 
 def effective_sliding_window(sliding_window: int | None, max_model_len: int | None) -> int | None:
@@ -53,26 +53,26 @@ def store_nvfp4_kv(kv_cache_dtype: str, key: torch.Tensor, value: torch.Tensor, 
 # The plugin's options in vLLM's `additional_config` (`--additional-config '{"vllm_nvfp4_plugin": {...}}'`).
 ADDITIONAL_CONFIG_KEY = "vllm_nvfp4_plugin"
 KV_CALIBRATION_OPTION = "kv_calibration"
-KEY_FORMAT_OPTION = "key_format"  # "nvfp4" (default) or "fp8": FP8 E4M3 keys, NVFP4 values
+KEY_FORMAT_OPTION = "key_format"  # "nvfp4" (default), "fp8" (FP8 E4M3 keys) or "int8" (INT8 keys); NVFP4 values
 _CALIBRATIONS: dict[str, KVCalibration] = {}
-_ENGINE_FP8_KEYS = False  # the key format last seen with an engine's config (see engine_fp8_keys)
+_ENGINE_KEY_FORMAT = "nvfp4"  # the key format last seen with an engine's config (see engine_key_format)
 
 
 def _plugin_options(config) -> dict:
     return ((config.additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {}) if config is not None else {}
 
 
-def engine_fp8_keys() -> bool:
-    """Whether the engine's NVFP4 cache keeps FP8 keys: `--kv-cache-dtype nvfp4_k8v4`, its `key_format` option, or its
-    calibration file's (they must agree). Read
-    while the engine's config is current (model construction builds every layer's impl, which calls this) and
-    remembered for vLLM's spec hook (`customize_spec`), which runs later and without the config."""
+def engine_key_format() -> str:
+    """The key format of the engine's NVFP4 cache ("nvfp4", "fp8" or "int8"): `--kv-cache-dtype nvfp4_k8v4` /
+    `nvfp4_ki8v4`, its `key_format` option, or its calibration file's (they must agree). Read while the engine's
+    config is current (model construction builds every layer's impl, which calls this) and remembered for vLLM's spec
+    hook (`customize_spec`), which runs later and without the config."""
     from vllm.config import get_current_vllm_config_or_none
 
-    global _ENGINE_FP8_KEYS
+    global _ENGINE_KEY_FORMAT
     config = get_current_vllm_config_or_none()
     if config is None:
-        return _ENGINE_FP8_KEYS
+        return _ENGINE_KEY_FORMAT
     option = _plugin_options(config).get(KEY_FORMAT_OPTION)
     if option is not None and option not in KEY_FORMATS:
         raise ValueError(f"additional_config {ADDITIONAL_CONFIG_KEY}.{KEY_FORMAT_OPTION} must be one of "
@@ -82,13 +82,14 @@ def engine_fp8_keys() -> bool:
         raise ValueError(f"additional_config {ADDITIONAL_CONFIG_KEY}.{KEY_FORMAT_OPTION} is {option!r} but the KV "
                          f"calibration file says key_format {calibration.key_format!r}")
     key_format = option or (calibration.key_format if calibration is not None else None)
-    if config.cache_config.cache_dtype == FP8_KEYS_KV_CACHE_DTYPE:
-        if key_format == "nvfp4":
-            raise ValueError(f"kv_cache_dtype {FP8_KEYS_KV_CACHE_DTYPE!r} keeps FP8 keys, but the plugin's options "
-                             f"ask for key_format 'nvfp4'")
-        key_format = "fp8"
-    _ENGINE_FP8_KEYS = key_format == "fp8"
-    return _ENGINE_FP8_KEYS
+    named = KEY_FORMAT_OF_KV_CACHE_DTYPE.get(config.cache_config.cache_dtype)
+    if named is not None:
+        if key_format is not None and key_format != named:
+            raise ValueError(f"kv_cache_dtype {config.cache_config.cache_dtype!r} keeps {named.upper()} keys, but the "
+                             f"plugin's options ask for key_format {key_format!r}")
+        key_format = named
+    _ENGINE_KEY_FORMAT = key_format or "nvfp4"
+    return _ENGINE_KEY_FORMAT
 
 
 def engine_kv_calibration() -> KVCalibration | None:

@@ -20,7 +20,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ..attention import MODEL_FEATURES, DequantWorkspace, NVFP4AttentionMetadata, paged_attention
 from .common import (LayerKVPolicy, LayerPolicyOwner, PageSidesOwner, check_nvfp4_layer, core_metadata,
-                     engine_fp8_keys, engine_kv_calibration)
+                     engine_key_format, engine_kv_calibration)
 from .spec import NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec
 
 logger = init_logger("vllm.nvfp4_plugin.cpu")
@@ -57,7 +57,7 @@ class NVFP4CPUAttentionBackend(CPUAttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        return customize_nvfp4_spec(super().customize_spec(spec), engine_fp8_keys())
+        return customize_nvfp4_spec(super().customize_spec(spec), engine_key_format())
 
     @staticmethod
     def get_impl_cls() -> type["NVFP4CPUAttentionImpl"]:
@@ -97,7 +97,7 @@ class NVFP4CPUAttentionImpl(LayerPolicyOwner, PageSidesOwner, CPUAttentionBacken
                           alibi_slopes=self.alibi_slopes, sinks=self.sinks, supported_features=MODEL_FEATURES)
         self.calibration = engine_kv_calibration()  # raises here, at engine start, on a file that does not fit
         self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
-        keys = "FP8 E4M3" if engine_fp8_keys() else "NVFP4"
+        keys = {"nvfp4": "NVFP4", "fp8": "FP8 E4M3", "int8": "INT8"}[engine_key_format()]
         logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CPU, %s keys (head size %d, %d query / %d "
                          "KV heads)", keys, self.head_size, self.num_heads, self.num_kv_heads)
 

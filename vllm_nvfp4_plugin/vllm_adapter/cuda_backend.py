@@ -44,9 +44,10 @@ from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaB
                                            FlashInferNVFP4Decoder, KernelBatch, cuda_paged_attention,
                                            dequant_prefill_unavailable_reason, flashinfer_decode_unavailable_reason,
                                            plan_batch, plan_kernel_batch)
-from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, spec_has_fp8_keys
+from .spec import (HND_LAYOUTS, INT8_KEYS_KV_CACHE_DTYPE, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec,
+                   spec_has_fp8_keys)
 from .common import (LayerKVPolicy, LayerPolicyOwner, PageSidesOwner, check_nvfp4_layer, core_metadata,
-                     current_max_model_len, effective_sliding_window, engine_fp8_keys, engine_kv_calibration)
+                     current_max_model_len, effective_sliding_window, engine_key_format, engine_kv_calibration)
 
 logger = init_logger("vllm.nvfp4_plugin.cuda")
 
@@ -120,11 +121,13 @@ class NVFP4CudaBackend(AttentionBackend):
                              use_mm_prefix, device_capability) -> str | None:
         if kv_cache_dtype not in NVFP4_KV_CACHE_DTYPES:
             return f"the CUSTOM (vllm_nvfp4_plugin) backend needs kv_cache_dtype in {NVFP4_KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
+        if kv_cache_dtype == INT8_KEYS_KV_CACHE_DTYPE:
+            return f"kv_cache_dtype {kv_cache_dtype!r}: int8 keys are served on CPU only"
         return None
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        return customize_nvfp4_spec(spec, engine_fp8_keys())
+        return customize_nvfp4_spec(spec, engine_key_format())
 
 
 def shared_decode_params(vllm_config: VllmConfig, layer_names: list[str]) -> tuple[int, torch.dtype, float] | None:
@@ -251,7 +254,11 @@ class NVFP4CudaImpl(LayerPolicyOwner, PageSidesOwner,
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.calibration = engine_kv_calibration()  # raises here, at engine start, on a file that does not fit
         self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
-        keys = "FP8 E4M3" if engine_fp8_keys() else "NVFP4"  # read here, with the config current, for customize_spec
+        key_format = engine_key_format()  # read here, with the config current, for customize_spec
+        if key_format == "int8":
+            raise NotImplementedError("vllm_nvfp4_plugin: int8 keys are served on CPU only; on CUDA use key_format "
+                                      "'nvfp4' or 'fp8'")
+        keys = "FP8 E4M3" if key_format == "fp8" else "NVFP4"
         logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CUDA, %s keys (head size %d, %d query / %d "
                          "KV heads)", keys, head_size, num_heads, num_kv_heads)
 
