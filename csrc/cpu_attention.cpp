@@ -130,7 +130,7 @@ struct Unit {
   int64_t seq_len;
   int64_t key_begin, key_end;  // keys [key_begin, key_end) are seen by some row; no other key is read
   int64_t partials;            // offset of the unit's per-split partials, or -1: one task merges as it goes
-  bool prefill;  // the request has PREFILL_MIN_ROWS query rows or more
+  bool prefill;                // the request has PREFILL_MIN_ROWS query rows or more
 
   // The splits holding the unit's keys, [split_begin(), split_end()).
   int64_t split_begin() const { return key_begin / SPLIT; }
@@ -898,7 +898,6 @@ struct Bf16Split {
     return __builtin_bit_cast(f32x16, _mm512_scalef_ps(__builtin_bit_cast(__m512, y), n));
   }
 
-
   // queries[c][r][i]: dimensions 2r and 2r + 1 of chunk c (32 dimensions in bf16_row's order) of pair i, for
   // `count` pairs of float32 queries that are bf16 values; zero for pairs past them.
   template <int D>
@@ -1287,8 +1286,7 @@ struct Amx {
           else
             logit = load(row) * log2_scale;
           if (masked)
-            logit = simd::as_f32(
-                simd::select(g.sees(key0 + j), simd::as_u32(logit), simd::as_u32(broadcast(NEG_INF))));
+            logit = simd::as_f32(simd::select(g.sees(key0 + j), simd::as_u32(logit), simd::as_u32(broadcast(NEG_INF))));
           top = simd::max(top, logit);
           store(logit, row);
         }
@@ -1594,7 +1592,8 @@ void nvfp4_paged_attention_cpu(const Tensor& query, const Tensor& key_cache, con
   int64_t scores = 0, max_pairs = 1;
   for (int64_t r = 0; r < num_reqs; ++r) {
     const int64_t n = starts[r + 1] - starts[r], c = lens[r];
-    const int64_t rows_per_unit = std::max<int64_t>(1, (n >= PREFILL_MIN_ROWS ? PREFILL_UNIT_PAIRS : UNIT_PAIRS) / group);
+    const int64_t rows_per_unit =
+        std::max<int64_t>(1, (n >= PREFILL_MIN_ROWS ? PREFILL_UNIT_PAIRS : UNIT_PAIRS) / group);
     max_pairs = std::max(max_pairs, std::min(rows_per_unit, n) * group);
     for (int64_t block = (n + rows_per_unit - 1) / rows_per_unit - 1; block >= 0; --block) {
       const int64_t row = block * rows_per_unit, rows = std::min(rows_per_unit, n - row);
