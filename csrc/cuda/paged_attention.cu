@@ -306,8 +306,7 @@ __device__ __forceinline__ void tile_pages(int (&pages)[TileCopy<D>::PAGES], con
 
 // The KV tile's raw bytes into one stage (zeros where a token has no block). FP8 and INT8 keys: a K row is two code
 // rows long, copied as two chunks of the same row; no K block scales. INT8 keys: the aligned 4-byte word holding the
-// token's fp16 scale (with an odd number of entries a block, the last one's word reaches 2 bytes past the K side: into
-// the V side of a page, as vLLM's pages and layout.py's sides put it).
+// token's fp16 scale (past an odd last entry, the padding up to the block stride's 16-byte multiple).
 template <int D, KeyFormat KEYS>
 __device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, int head, int tile,
                                           const int (&pages)[TileCopy<D>::PAGES]) {
