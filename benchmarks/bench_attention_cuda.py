@@ -10,11 +10,12 @@ Times: medians of CUDA-event timings of a CUDA graph replaying each call --calls
 caches of random bytes (no E4M3 NaN scale) in shuffled pages, 16-token pages. `floor` is the bytes the call must
 move (the NVFP4 cache it reads, the queries and outputs) over --bandwidth (the H200's measured device copy,
 4.2 TB/s); prefill reports TFLOP/s over its causal pairs. --fp8-keys adds a decode column: the plugin over an
-fp8_keys page (FP8 E4M3 keys, NVFP4 values) of the same shape. Prints a markdown table; --out FILE writes it too.
+fp8_keys page (FP8 E4M3 keys, NVFP4 values) of the same shape; --int8-keys one over an int8-key page (INT8 keys with
+an fp16 scale each, finite, NVFP4 values). Prints a markdown table; --out FILE writes it too.
 
     python benchmarks/bench_attention_cuda.py [--decode 32x8192,8x32768,1x32768,128x2048] [--heads 32/8,64/8]
-        [--prefill 4096,4x8192,2048+30720] [--peers bf16,fp8,nvfp4] [--fp8-keys] [--calls 20] [--reps 15]
-        [--out FILE]
+        [--prefill 4096,4x8192,2048+30720] [--peers bf16,fp8,nvfp4] [--fp8-keys] [--int8-keys] [--calls 20]
+        [--reps 15] [--out FILE]
     python benchmarks/bench_attention_cuda.py --warm-flashinfer   # build FlashInfer's JIT modules first
 """
 
@@ -39,11 +40,15 @@ def graph_ms(fn, calls: int, reps: int) -> float:
 
 
 def random_nvfp4_cache(layout: NVFP4PageLayout, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
-    """The cache (NVFP4 keys) or, for an fp8_keys layout, its `[num_blocks, page_bytes]` pages; no E4M3 NaN."""
-    cache = (torch.empty((num_blocks, layout.page_bytes), dtype=torch.uint8, device="cuda") if layout.fp8_keys
-             else layout.allocate(num_blocks, "cuda"))
+    """The cache (NVFP4 keys) or, for an FP8- or INT8-key layout, its `[num_blocks, page_bytes]` pages; no E4M3 NaN,
+    no fp16 inf or NaN key scale."""
+    cache = (layout.allocate(num_blocks, "cuda") if layout.key_format == "nvfp4"
+             else torch.empty((num_blocks, layout.page_bytes), dtype=torch.uint8, device="cuda"))
     data = torch.randint(0, 256, cache.shape, dtype=torch.uint8, device="cuda", generator=gen)
     cache.copy_(torch.where((data & 0x7F) == 0x7F, data - 1, data))
+    if layout.int8_keys:  # the scales' sign and exponent bytes: exponent 31 (inf, NaN) made finite
+        high = cache[:, layout.int8_key_scale_offset(0, 0) + 1:layout.key_side_bytes:2]
+        high.copy_(torch.where((high & 0x7C) == 0x7C, high ^ 0x40, high))
     return cache
 
 
@@ -67,13 +72,13 @@ def starts_of(lengths: list[int]) -> torch.Tensor:
 class Case:
     """Requests `(query_len, seq_len)` over a random NVFP4 cache; the op's arguments for them."""
 
-    def __init__(self, requests, q_heads, kv_heads, head, gen, fp8_keys=False):
+    def __init__(self, requests, q_heads, kv_heads, head, gen, key_format="nvfp4"):
         self.requests, self.q_heads, self.kv_heads, self.head = requests, q_heads, kv_heads, head
         seq_lens = [c for _, c in requests]
-        self.layout = NVFP4PageLayout(head, BLOCK_SIZE, kv_heads, key_format="fp8" if fp8_keys else "nvfp4")
+        self.layout = NVFP4PageLayout(head, BLOCK_SIZE, kv_heads, key_format=key_format)
         self.table, self.indptr, self.indices, self.last_page_len, num_blocks = paged_tables(seq_lens, gen)
         self.cache = random_nvfp4_cache(self.layout, num_blocks, gen)
-        self.key_cache, self.value_cache = (self.layout.side_views(self.cache) if fp8_keys
+        self.key_cache, self.value_cache = (self.layout.side_views(self.cache) if key_format != "nvfp4"
                                             else (self.cache[:, 0], self.cache[:, 1]))
         self.num_blocks = num_blocks
         tokens = sum(n for n, _ in requests)
@@ -209,6 +214,7 @@ def main(argv=None):
                         help="causal prefill cases [count x]query_len[+cached tokens]; '' for none")
     parser.add_argument("--peers", default="bf16,fp8,nvfp4", help="FlashInfer decode peers")
     parser.add_argument("--fp8-keys", action="store_true", help="also time decode over an fp8_keys page")
+    parser.add_argument("--int8-keys", action="store_true", help="also time decode over an int8-key page")
     parser.add_argument("--calls", type=int, default=20, help="calls per captured graph")
     parser.add_argument("--reps", type=int, default=15, help="graph replays timed (median)")
     parser.add_argument("--bandwidth", type=float, default=4.2e12, help="bytes/s of the byte floor")
@@ -224,13 +230,14 @@ def main(argv=None):
     have_flashinfer = importlib.util.find_spec("flashinfer") is not None
     peers = [p for p in args.peers.split(",") if p] if have_flashinfer else []
     t = lambda fn: graph_ms(fn, args.calls, args.reps)  # noqa: E731
+    key_formats = ["fp8"] * args.fp8_keys + ["int8"] * args.int8_keys  # extra decode columns
 
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.version.__version__}"
              + (f", FlashInfer {__import__('flashinfer').__version__}" if have_flashinfer else ", no FlashInfer"), "",
              "| decode B×L, heads, head size | plugin ms | floor ms | plugin TB/s | "
-             + ("plugin fp8-keys ms | fp8-keys TB/s | " if args.fp8_keys else "")
+             + "".join(f"plugin {k}-keys ms | {k}-keys TB/s | " for k in key_formats)
              + " | ".join(f"FlashInfer {p} ms" for p in peers) + " |",
-             "| --- | ---: | ---: | ---: |" + " ---: |" * (len(peers) + 2 * args.fp8_keys)]
+             "| --- | ---: | ---: | ---: |" + " ---: |" * (len(peers) + 2 * len(key_formats))]
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.decode.split(",") if s]
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",") if h]
     cases = [(b, l, hq, hkv, 128) for hq, hkv in heads for b, l in shapes]
@@ -244,12 +251,12 @@ def main(argv=None):
         ms = t(case.plugin)
         row = [f"{b}×{l}, {hq}/{hkv}, {d}", f"{ms:.4f}", f"{case.nvfp4_bytes() / args.bandwidth * 1e3:.4f}",
                f"{case.nvfp4_bytes() / (ms * 1e-3) / 1e12:.2f}"]
-        if args.fp8_keys:
-            fp8 = Case([(1, l)] * b, hq, hkv, d, gen, fp8_keys=True)
-            fp8.query.copy_(case.query)
-            fp8_ms = t(fp8.plugin)
-            row += [f"{fp8_ms:.4f}", f"{fp8.nvfp4_bytes() / (fp8_ms * 1e-3) / 1e12:.2f}"]
-            del fp8
+        for key_format in key_formats:
+            other = Case([(1, l)] * b, hq, hkv, d, gen, key_format=key_format)
+            other.query.copy_(case.query)
+            other_ms = t(other.plugin)
+            row += [f"{other_ms:.4f}", f"{other.nvfp4_bytes() / (other_ms * 1e-3) / 1e12:.2f}"]
+            del other
         for peer in peers:
             if peer == "nvfp4" and d == 64:
                 row.append("misreads head 64")

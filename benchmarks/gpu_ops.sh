@@ -46,7 +46,7 @@ has racecheck && step racecheck 900 compute-sanitizer --tool racecheck --error-e
 # Every layout, head size and key format of both kernels, split-KV and its combine, multi-token decode (graph
 # capture is left out).
 ATTENTION_RACECHECK_CASES="decode_layouts or prefill_chunked_and_mixed or multi_token or sinks_with_splits"
-ATTENTION_RACECHECK_CASES+=" or long_context_splits or fp8_keys_decode_layouts or fp8_keys_prefill"
+ATTENTION_RACECHECK_CASES+=" or long_context_splits or byte_keys_decode_layouts or byte_keys_prefill"
 has attention_racecheck && step attention_racecheck 900 compute-sanitizer --tool racecheck --error-exitcode 1 \
   python3 -m pytest -q -m gpu -p no:cacheprovider -k "${ATTENTION_RACECHECK_K:-$ATTENTION_RACECHECK_CASES}" \
   tests/test_paged_attention_cuda.py

@@ -126,8 +126,6 @@ NVFP4PageLayout side_cache_layout(const char* op, const Tensor& key_cache, const
                     " and strides, got shape ", shape_of(value_cache));
   }
   check_same_device(op, "value_cache", value_cache, key_cache, "key_cache");
-  NVFP4_CHECK(key_format != KeyFormat::Int8 || key_cache.is_cpu(), op,
-              ": key_cache: int8 keys are served on CPU only, got a cache on ", device_name(key_cache));
   return layout;
 }
 

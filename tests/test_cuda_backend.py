@@ -13,6 +13,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
 from vllm_nvfp4_plugin import reference
+from vllm_nvfp4_plugin.attention.flashinfer_reader import FlashInferNVFP4Decoder
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.tools.paged_case import PagedCase, relative_l2
 from vllm_nvfp4_plugin.vllm_adapter import common as adapter_common, register_attention_backends
@@ -214,16 +215,18 @@ def test_model_features_reach_the_kernel(vllm_config, features, device):
     assert relative_l2(got.cpu(), plain.cpu()) > 5e-2, "the features must change the output"
 
 
+@pytest.mark.parametrize("key_format", ["fp8", "int8"])
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
-def test_fp8_key_page_through_the_backend(hnd, device, monkeypatch):
-    """key_format "fp8": the FP8-key page, and build → store → forward (on CUDA the plugin's kernel decodes, FlashInfer
-    reading NVFP4 keys only; off CUDA the core) matches the reference over the same pages."""
+def test_byte_key_page_through_the_backend(key_format, hnd, device, monkeypatch):
+    """key_format "fp8" or "int8": the FP8- or INT8-key page, and build → store → forward (on CUDA the plugin's kernel
+    decodes, FlashInfer reading NVFP4 keys only; off CUDA the core) matches the reference over the same pages."""
     monkeypatch.setattr(adapter_common, "_ENGINE_KEY_FORMAT", "nvfp4")  # the process-wide key format goes back after
     gen = torch.Generator().manual_seed(3 + hnd)
     heads, kv_heads, d, block = 8, 2, 128, 16
     requests = [(1, 45), (1, 3), (6, 38), (17, 17)]
     config = VllmConfig(cache_config=CacheConfig(cache_dtype="nvfp4"),
-                        additional_config={"vllm_nvfp4_plugin": {"key_format": "fp8"}})
+                        additional_config={"vllm_nvfp4_plugin": {"key_format": key_format}})
+    entry = d + 2 * (key_format == "int8") + 72  # K's bytes and V's of one (token, head)
     with set_current_vllm_config(config):
         layer = attention_layer(config, heads, d, d ** -0.5, kv_heads)
     layer._k_scale.fill_(K_SCALE)
@@ -233,30 +236,35 @@ def test_fp8_key_page_through_the_backend(hnd, device, monkeypatch):
     with set_current_vllm_config(config):
         spec = NVFP4CudaBackend.customize_spec(FullAttentionSpec(
             block_size=block, num_kv_heads=kv_heads, head_size=d, dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4))
-        assert (spec.num_heads, spec.state_content_bytes) == (kv_heads, d + 72)
+        assert (spec.num_heads, spec.state_content_bytes) == (kv_heads, entry)
         builder = NVFP4CudaMetadataBuilder(spec, [layer.layer_name], config, torch.device(device))
     case = PagedCase(requests, NVFP4PageLayout(d, block, kv_heads), heads, gen)
-    physical = (case.num_blocks, kv_heads, block, d + 72) if hnd else (case.num_blocks, block, kv_heads, d + 72)
+    physical = (case.num_blocks, kv_heads, block, entry) if hnd else (case.num_blocks, block, kv_heads, entry)
     kv_cache = torch.full(physical, 0xEE, dtype=torch.uint8, device=device)
     kv_cache = kv_cache if hnd else kv_cache.permute(0, 2, 1, 3)
     query, output, block_table, query_start, seq_lens = backend_step(layer, builder, case, kv_cache, device)
 
     key_cache, value_cache = page_view(kv_cache, kv_heads)
-    assert NVFP4PageLayout.from_caches(key_cache, value_cache).fp8_keys
+    assert NVFP4PageLayout.from_caches(key_cache, value_cache).key_format == key_format
     want = torch.empty_like(query)
     reference.nvfp4_paged_attention(query, key_cache, value_cache, block_table, query_start, seq_lens,
                                     layer._k_scale, layer._v_scale, d ** -0.5, True, False, 17, 45, want)
     assert relative_l2(output.view(query.shape).cpu(), want.cpu()) <= 1e-2
 
 
-def test_int8_keys_refused_at_engine_start(monkeypatch):
-    """The INT8-key page has CPU kernels only: the CUDA backend refuses it when it builds a layer, by option or by
-    name."""
-    monkeypatch.setattr(adapter_common, "_ENGINE_KEY_FORMAT", "nvfp4")
-    config = VllmConfig(cache_config=CacheConfig(cache_dtype="nvfp4"),
-                        additional_config={"vllm_nvfp4_plugin": {"key_format": "int8"}})
-    with set_current_vllm_config(config), pytest.raises(NotImplementedError, match="int8 keys are served on CPU only"):
-        attention_layer(config, 8, 128, 128 ** -0.5, 2)
-    reason = NVFP4CudaBackend.supports_combination(128, torch.bfloat16, "nvfp4_ki8v4", 16, False, False, False, False,
-                                                   DeviceCapability(9, 0))
-    assert "int8 keys are served on CPU only" in reason
+@pytest.mark.parametrize("kv_cache_dtype", ["nvfp4_k8v4", "nvfp4_ki8v4"])
+def test_byte_key_kv_cache_dtypes_are_served(kv_cache_dtype):
+    assert NVFP4CudaBackend.supports_combination(128, torch.bfloat16, kv_cache_dtype, 16, False, False, False, False,
+                                                 HOPPER) is None
+
+
+@pytest.mark.parametrize("key_format", ["fp8", "int8"])
+def test_fa2_reader_refuses_byte_keys_by_name(key_format):
+    """FlashInfer fa2 reads NVFP4 keys only: handed an FP8- or INT8-key page, its reader names the key format (the
+    builder sends such layers to the plugin's kernel instead)."""
+    decoder = object.__new__(FlashInferNVFP4Decoder)  # the check comes before any FlashInfer call
+    decoder._planned = (1, 8, 2, 128, 16, torch.bfloat16)
+    key_cache, value_cache = NVFP4PageLayout(128, 16, 2, key_format=key_format).allocate_sides(2)
+    query = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=f"fa2 reads NVFP4 keys only, got {key_format.upper()} keys"):
+        decoder.run(query, key_cache, value_cache, 1.0, 1.0, torch.empty_like(query))

@@ -1,6 +1,7 @@
-"""INT8 keys with NVFP4 values (an int8-key page, docs/FORMATS.md §1): the encoding's rules, the CPU store and gather
-bit for bit against the reference (every layout, V-scale order, dtype and value store rule; guard pages, block padding
-and unused slots poisoned), the page's errors, layout.h against layout.py, and the attention kernel over the page.
+"""INT8 keys with NVFP4 values (an int8-key page, docs/FORMATS.md §1): the encoding's rules, the CPU and CUDA stores and
+gathers bit for bit against the reference (every layout, V-scale order, dtype and value store rule; guard pages, block
+padding and unused slots poisoned), the page's errors, layout.h against layout.py, and the CPU attention kernel over
+the page (the CUDA one: test_paged_attention_cuda.py).
 """
 
 import os
@@ -8,7 +9,7 @@ import subprocess
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from op_cases import FLOAT_DTYPES, NVFP4Case, bits, nvfp4_gather_inputs, nvfp4_store_inputs
@@ -58,21 +59,28 @@ def test_int8_key_encoding_rules():
     assert reference.int8_key_decode(codes, scale, 1.0).isnan().all()
 
 
-def test_int8_keys_nan_and_inf_through_the_ops():
+def test_int8_keys_nan_and_inf_through_the_ops(device):
+    """A NaN key stores the NaN scale and zero codes, an inf one saturates, a zero one stores scale 0; each gathers
+    back as the reference's (NaN bit patterns aside: CUDA's float NaN is another than the CPU's)."""
     layout = NVFP4PageLayout(64, 4, 1, key_format="int8")
     key = torch.randn(4, 1, 64)
     key[0, 0, 3], key[1, 0, 5], key[2, 0] = float("nan"), float("inf"), 0.0
-    caches, expected = layout.allocate_sides(1, fill=0x5A), layout.allocate_sides(1, fill=0x5A)
+    caches, expected = layout.allocate_sides(1, device, fill=0x5A), layout.allocate_sides(1, fill=0x5A)
     one = torch.ones(1)
-    ops.reshape_and_cache_nvfp4(key, key, *caches, torch.arange(4), one, one, False)
+    ops.reshape_and_cache_nvfp4(key.to(device), key.to(device), *caches, torch.arange(4, device=device),
+                                one.to(device), one.to(device), False)
     reference.reshape_and_cache_nvfp4(key, key, *expected, torch.arange(4), one, one, False)
-    assert all(torch.equal(a, b) for a, b in zip(caches, expected))
-    out, ref_out = (torch.empty(4, 1, 64), torch.empty(4, 1, 64)), (torch.empty(4, 1, 64), torch.empty(4, 1, 64))
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(caches, expected))
+    out, ref_out = (torch.empty(4, 1, 64, device=device), torch.empty(4, 1, 64, device=device)), \
+        (torch.empty(4, 1, 64), torch.empty(4, 1, 64))
     table, cu = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32)
-    ops.gather_nvfp4_kv_cache(*caches, table, cu, one, one, False, *out)
+    ops.gather_nvfp4_kv_cache(*caches, table.to(device), cu.to(device), one.to(device), one.to(device), False, *out)
     reference.gather_nvfp4_kv_cache(*expected, table, cu, one, one, False, *ref_out)
-    assert torch.equal(bits(out[0]), bits(ref_out[0]))
-    assert out[0][0].isnan().all() and (out[0][2] == 0).all() and out[0][1, 0, 5] == 127 * 65504
+    got, want = out[0].cpu(), ref_out[0]
+    if device == "cpu":  # the CPU kernel's NaN is the reference's
+        assert torch.equal(bits(got), bits(want))
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(bits(got[~got.isnan()]), bits(want[~want.isnan()]))
+    assert got[0].isnan().all() and (got[2] == 0).all() and got[1, 0, 5] == 127 * 65504
 
 
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
@@ -116,25 +124,30 @@ def int8_key_cases(draw) -> NVFP4Case:
                      key_format="int8")
 
 
-@settings(max_examples=200, deadline=None)
+# `device` is a constant string per test, so reusing the fixture across examples is safe.
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
 @given(case=int8_key_cases(), four_over_six=st.booleans())
-def test_fuzz_int8_key_store(case, four_over_six):
+def test_fuzz_int8_key_store(device, case, four_over_six):
     op, ref_op = ((ops.reshape_and_cache_nvfp4_4over6, reference.reshape_and_cache_nvfp4_4over6) if four_over_six
                   else (ops.reshape_and_cache_nvfp4, reference.reshape_and_cache_nvfp4))
-    buffer, expected = store(case, "cpu", op, ref_op)
+    buffer, expected = store(case, device, op, ref_op)
     assert torch.equal(buffer, expected)
 
 
-@settings(max_examples=200, deadline=None)
+@FUZZ
 @given(case=int8_key_cases(), data=st.data(), out_dtype=st.sampled_from(FLOAT_DTYPES))
-def test_fuzz_int8_key_gather(case, data, out_dtype):
+def test_fuzz_int8_key_gather(device, case, data, out_dtype):
     capacity = case.num_blocks * case.block_size
     seq_lens = data.draw(st.lists(st.integers(0, capacity), min_size=1, max_size=8))
-    args, expected = (nvfp4_gather_inputs(case, seq_lens, "cpu", out_dtype) for _ in range(2))
+    args, expected = nvfp4_gather_inputs(case, seq_lens, device, out_dtype), nvfp4_gather_inputs(case, seq_lens, "cpu",
+                                                                                                 out_dtype)
     ops.gather_nvfp4_kv_cache(**args)
     reference.gather_nvfp4_kv_cache(**expected)
     for name in ("out_key", "out_value"):
-        assert torch.equal(bits(args[name]), bits(expected[name]))
+        assert torch.equal(bits(args[name].cpu()), bits(expected[name]))
 
 
 @pytest.mark.parametrize("change,message", [
@@ -208,12 +221,23 @@ def test_layout_h_matches_layout_py(tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_ops_refuse_int8_keys():
-    case = int8_key_case(seed=1)
-    args = nvfp4_store_inputs(case, "cuda")
-    args.pop("buffer")
-    with pytest.raises(RuntimeError, match="int8 keys are served on CPU only"):
-        ops.reshape_and_cache_nvfp4(**args)
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+@pytest.mark.parametrize("swizzle", [False, True], ids=["linear", "swizzled"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=str)
+def test_int8_key_cuda_ops_match_reference(hnd, swizzle, dtype):
+    """The CUDA store (both value rules) and gather of an int8-key page, bit for bit; guard pages untouched."""
+    seed = 7 * hnd + 13 * swizzle + 31 * FLOAT_DTYPES.index(dtype)
+    for i, (op, ref_op) in enumerate(((ops.reshape_and_cache_nvfp4, reference.reshape_and_cache_nvfp4),
+                                      (ops.reshape_and_cache_nvfp4_4over6, reference.reshape_and_cache_nvfp4_4over6))):
+        case = int8_key_case(64 * (1 + (seed + i) % 4) if (seed + i) % 4 != 2 else 128, hnd, swizzle, dtype, seed + i)
+        buffer, expected = store(case, "cuda", op, ref_op)
+        assert torch.equal(buffer, expected)
+    case = int8_key_case((64, 128, 256)[seed % 3], hnd, swizzle, dtype, seed)
+    args, expected = nvfp4_gather_inputs(case, [50, 0, 17, 33], "cuda"), nvfp4_gather_inputs(case, [50, 0, 17, 33], "cpu")
+    ops.gather_nvfp4_kv_cache(**args)
+    reference.gather_nvfp4_kv_cache(**expected)
+    for name in ("out_key", "out_value"):
+        assert torch.equal(bits(args[name].cpu()), bits(expected[name]))  # poisoned rows past the tokens included
 
 
 # --- attention over the page -----------------------------------------------------------------------------------

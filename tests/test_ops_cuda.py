@@ -1,7 +1,7 @@
 """CUDA-only cases: stores over many waves of thread blocks, bit for bit against the reference.
 
 The shared op tests (test_ops_cpu.py, run on CUDA too) use at most a few hundred tokens, one wave of blocks;
-these launch grids of thousands of blocks with random slots, as a prefill does, over NVFP4 and fp8_keys pages. The shared indexer cases pad
+these launch grids of thousands of blocks with random slots, as a prefill does, over NVFP4, fp8_keys and int8-key pages. The shared indexer cases pad
 their blocks off 16-byte alignment (the byte path); the last test here keeps them aligned, so every scale format
 and thread width runs the vector kernels.
 """
@@ -27,14 +27,19 @@ def test_large_nvfp4_store_matches_reference(hnd, swizzle):
     assert torch.equal(buffer.cpu(), expected_buffer)
 
 
+BYTE_KEYS = pytest.mark.parametrize("key_format", ["fp8", "int8"])
+
+
+@BYTE_KEYS
 @pytest.mark.parametrize("hnd,swizzle,four_over_six", [(False, False, False), (True, True, False), (False, True, True)],
                          ids=["NHD-linear", "HND-swizzled", "NHD-swizzled-4over6"])
-def test_large_fp8_key_store_matches_reference(hnd, swizzle, four_over_six):
-    """fp8_keys pages: FP8 E4M3 keys, NVFP4 values; block padding keeps K and V sides off 16-byte boundaries."""
+def test_large_byte_key_store_matches_reference(key_format, hnd, swizzle, four_over_six):
+    """fp8_keys and int8-key pages: FP8 E4M3 or INT8 keys, NVFP4 values; block padding keeps K and V sides off 16-byte
+    boundaries."""
     num_tokens = 20_000
     case = NVFP4Case(head_size=128, num_heads=8, block_size=16, num_blocks=num_tokens // 16 + 8,
                      num_tokens=num_tokens, hnd=hnd, swizzle_v_scales=swizzle, row_pad=16, block_pad=8 * hnd, seed=10,
-                     key_format="fp8")
+                     key_format=key_format)
     op, ref_op = ((ops.reshape_and_cache_nvfp4_4over6, reference.reshape_and_cache_nvfp4_4over6) if four_over_six
                   else (ops.reshape_and_cache_nvfp4, reference.reshape_and_cache_nvfp4))
     args, expected = nvfp4_store_inputs(case, "cuda"), nvfp4_store_inputs(case, "cpu")
@@ -44,10 +49,11 @@ def test_large_fp8_key_store_matches_reference(hnd, swizzle, four_over_six):
     assert torch.equal(buffer.cpu(), expected_buffer)
 
 
+@BYTE_KEYS
 @pytest.mark.parametrize("head_size,hnd,swizzle", [(64, False, False), (128, True, True), (256, False, True)])
-def test_large_fp8_key_gather_matches_reference(head_size, hnd, swizzle):
+def test_large_byte_key_gather_matches_reference(key_format, head_size, hnd, swizzle):
     case = NVFP4Case(head_size=head_size, num_heads=4, block_size=16, num_blocks=600, hnd=hnd,
-                     swizzle_v_scales=swizzle, seed=head_size, key_format="fp8")
+                     swizzle_v_scales=swizzle, seed=head_size, key_format=key_format)
     seq_lens = [3000, 1, 0, 2500, 17]
     args, expected = nvfp4_gather_inputs(case, seq_lens, "cuda"), nvfp4_gather_inputs(case, seq_lens, "cpu")
     ops.gather_nvfp4_kv_cache(**args)

@@ -3,7 +3,8 @@
 Every case: pages in shuffled order, unused page bytes 0xFF (NaN block scales and NaN FP8 keys, so a read past a
 request's length shows), garbage in unused block-table columns, output poisoned with NaN so unwritten rows show and
 rows past the batch's tokens must stay untouched. Accuracy: relative L2 error of the whole output ≤ 5e-3. The
-fp8_keys cases run the same batches over FP8 E4M3 keys with NVFP4 values.
+byte_keys cases run the same batches over FP8 E4M3 keys, and over INT8 keys (unused scale bytes 0xFFFF: NaN), with
+NVFP4 values.
 """
 
 import math
@@ -26,7 +27,8 @@ def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 class Batch:
     """Requests `(query_len, context_len)` over one NVFP4 cache; K/V written by the CUDA store op. `key_format`
-    "fp8": an FP8-key page; with `split_sides` its K and V sides are two allocations of different block strides."""
+    "fp8" or "int8": an FP8- or INT8-key page; with `split_sides` its K and V sides are two allocations of different
+    block strides."""
 
     def __init__(self, requests, *, head_size=128, kv_heads=2, group=4, block_size=16, hnd=False, swizzle=False,
                  dtype=torch.bfloat16, causal=True, kv=None, seed=0, k_scale=0.75, v_scale=1.25, features=None,
@@ -38,7 +40,7 @@ class Batch:
         self.q_heads = kv_heads * group
         pages = [-(-c // block_size) for _, c in requests]
         num_blocks = sum(pages) + 3
-        if key_format == "fp8":
+        if key_format != "nvfp4":
             self.pages = torch.full((num_blocks, self.layout.page_bytes), 0xFF, dtype=torch.uint8, device="cuda")
             self.key_cache, self.value_cache = self.layout.side_views(self.pages)
             if split_sides:
@@ -243,6 +245,10 @@ def _adversarial_kv(kind):
             groups[..., ::2, :] = 0.0
         elif kind == "saturated":  # block scales saturate at 448, codes at ±6
             groups *= 1e4
+        elif kind == "zero_keys":  # every third key all zero (INT8: scale 0)
+            x[0, ::3] = 0.0
+        elif kind == "fp16_top":  # INT8 key scales saturate at 65504, codes at ±127
+            groups *= 1e8
         return x[0].bfloat16(), x[1].bfloat16()
     return make
 
@@ -257,21 +263,27 @@ def test_adversarial_values(kind, requests):
     batch.check(batch.run())
 
 
-@pytest.mark.parametrize("key_format", ["nvfp4", "fp8"], ids=["nvfp4_keys", "fp8_keys"])
+@pytest.mark.parametrize("key_format", ["nvfp4", "fp8", "int8"], ids=["nvfp4_keys", "fp8_keys", "int8_keys"])
 @pytest.mark.parametrize("requests", [[(1, 700), (20, 900)], [(1, 700), (1, 900)]], ids=["mixed", "decode"])
 def test_random_cache_bytes(requests, key_format):
     """Every code and scale bit pattern (subnormal and max block scales included; with FP8 keys every key byte but the
-    NaNs, subnormals and ±448 included), written straight into the pages."""
+    NaNs, subnormals and ±448 included; with INT8 keys every code, -128 included, and fp16 scales of either sign up to
+    2^-3, subnormals and 0 included), written straight into the pages."""
     batch = Batch(requests, head_size=128, swizzle=True, key_format=key_format, seed=8)
     g = torch.Generator().manual_seed(8)
-    data = torch.randint(0, 256, (batch.pages.numel(),), generator=g, dtype=torch.uint8)
-    data = torch.where((data & 0x7F) == 0x7F, data - 1, data)  # no E4M3 NaN scale or key
-    batch.pages.copy_(data.view(batch.pages.shape).cuda())
+    raw = torch.randint(0, 256, batch.pages.shape, generator=g, dtype=torch.uint8)
+    data = torch.where((raw & 0x7F) == 0x7F, raw - 1, raw)  # no E4M3 NaN scale or key
+    if key_format == "int8":
+        codes = batch.layout.entries * batch.layout.head_size
+        data[:, :codes] = raw[:, :codes]
+        high = data[:, codes + 1:codes + 2 * batch.layout.entries:2]  # the scales' sign and exponent bytes
+        high.copy_((high & 0x80) | (high & 0x7F) % 0x30)
+    batch.pages.copy_(data.cuda())
     batch.scale = 1e-3
     batch.check(batch.run())
 
 
-@pytest.mark.parametrize("key_format", ["nvfp4", "fp8"], ids=["nvfp4_keys", "fp8_keys"])
+@pytest.mark.parametrize("key_format", ["nvfp4", "fp8", "int8"], ids=["nvfp4_keys", "fp8_keys", "int8_keys"])
 def test_cuda_graph_replay_with_new_lengths(key_format):
     """Captured once at the bounds, replayed after the lengths and queries changed in place."""
     batch = Batch([(1, 3000), (1, 2600), (1, 20)], group=4, key_format=key_format, seed=9)
@@ -380,54 +392,65 @@ def test_kernel_batch_with_fa2_decodes(head_size):
     batch.check(out)
 
 
-# --- FP8 E4M3 keys, NVFP4 values (an fp8_keys page) ----------------------------------------------------
+# --- FP8 E4M3 or INT8 keys, NVFP4 values (an fp8_keys or int8-key page) ---------------------------------------
 
+BYTE_KEYS = pytest.mark.parametrize("key_format", ["fp8", "int8"], ids=["fp8_keys", "int8_keys"])
+
+
+@BYTE_KEYS
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
 @pytest.mark.parametrize("swizzle", [False, True], ids=["linear", "swizzled"])
-def test_fp8_keys_decode_layouts(head_size, hnd, swizzle):
-    batch = Batch(DECODES, head_size=head_size, hnd=hnd, swizzle=swizzle, key_format="fp8", seed=head_size + hnd)
+def test_byte_keys_decode_layouts(key_format, head_size, hnd, swizzle):
+    batch = Batch(DECODES, head_size=head_size, hnd=hnd, swizzle=swizzle, key_format=key_format, seed=head_size + hnd)
     batch.check(batch.run())
 
 
+@BYTE_KEYS
 @pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
-def test_fp8_keys_prefill_chunked_and_mixed(head_size, hnd):
+def test_byte_keys_prefill_chunked_and_mixed(key_format, head_size, hnd):
     requests = [(1, 500), (1, 33), (200, 200), (77, 1000), (64, 64), (5, 130)]
-    batch = Batch(requests, head_size=head_size, hnd=hnd, swizzle=hnd, key_format="fp8", seed=head_size + 1)
+    batch = Batch(requests, head_size=head_size, hnd=hnd, swizzle=hnd, key_format=key_format, seed=head_size + 1)
     batch.check(batch.run())
 
 
+@BYTE_KEYS
 @pytest.mark.parametrize("group,dtype,next_n", [(1, torch.float16, 1), (8, torch.bfloat16, 1), (4, torch.float16, 3),
                                                 (8, torch.bfloat16, 2), (4, torch.bfloat16, 5)])
-def test_fp8_keys_groups_dtypes_and_multi_token(group, dtype, next_n):
+def test_byte_keys_groups_dtypes_and_multi_token(key_format, group, dtype, next_n):
     """Query rows of 1 to 40 a request: both n8 widths of the decode kernel and both warp splits of the fused one."""
-    batch = Batch([(next_n, 40), (next_n, 1000), (next_n, next_n)], group=group, dtype=dtype, key_format="fp8",
+    batch = Batch([(next_n, 40), (next_n, 1000), (next_n, next_n)], group=group, dtype=dtype, key_format=key_format,
                   seed=group + next_n)
     batch.check(batch.run())
 
 
-@pytest.mark.parametrize("block_size,split_sides", [(8, False), (24, True), (64, True)])
-def test_fp8_keys_block_sizes_and_side_strides(block_size, split_sides):
-    """Blocks not a multiple of 16 (a table read a key); K and V sides of different block strides."""
-    batch = Batch(DECODES + [(2, 500), (40, 300)], block_size=block_size, swizzle=block_size % 4 == 0,
-                  key_format="fp8", split_sides=split_sides, seed=block_size)
+@BYTE_KEYS
+@pytest.mark.parametrize("block_size,split_sides,kv_heads", [(8, False, 2), (24, True, 2), (64, True, 2),
+                                                             (24, False, 3)])
+def test_byte_keys_block_sizes_and_side_strides(key_format, block_size, split_sides, kv_heads):
+    """Blocks not a multiple of 16 (a table read a key; with 3 heads a block's tokens alternate between the halves of
+    the INT8 scale words); K and V sides of different block strides."""
+    batch = Batch(DECODES + [(2, 500), (40, 300)], block_size=block_size, kv_heads=kv_heads,
+                  swizzle=block_size % 4 == 0, key_format=key_format, split_sides=split_sides, seed=block_size)
     assert batch.key_cache.stride(0) != batch.value_cache.stride(0) or not split_sides
     batch.check(batch.run())
 
 
-def test_fp8_keys_long_context_splits_and_sinks():
-    batch = Batch([(1, 40000), (1, 3)], kv_heads=1, group=8, key_format="fp8", seed=3)
+@BYTE_KEYS
+def test_byte_keys_long_context_splits_and_sinks(key_format):
+    batch = Batch([(1, 40000), (1, 3)], kv_heads=1, group=8, key_format=key_format, seed=3)
     batch.check(batch.run())
     batch.features = {"sinks": _sinks(8, 11), "sliding_window": 4000}
     batch.check(batch.run())
 
 
+@BYTE_KEYS
 @pytest.mark.parametrize("batch_kind", list(FEATURE_BATCHES))
 @pytest.mark.parametrize("head_size", [64, 128, 256])
-def test_fp8_keys_model_features(batch_kind, head_size):
+def test_byte_keys_model_features(key_format, batch_kind, head_size):
     """Sliding window (pages wholly before it overwritten with 0xFF after the reference read them), soft-cap, sinks."""
-    batch = Batch(FEATURE_BATCHES[batch_kind], head_size=head_size, block_size=16, swizzle=True, key_format="fp8",
+    batch = Batch(FEATURE_BATCHES[batch_kind], head_size=head_size, block_size=16, swizzle=True, key_format=key_format,
                   seed=head_size)
     batch.scale = 4.0 / math.sqrt(head_size)  # logits of several units, so a cap of 3 bends them
     for features in ({"logits_soft_cap": 3.0}, {"sinks": _sinks(batch.q_heads, head_size)},
@@ -442,14 +465,16 @@ def test_fp8_keys_model_features(batch_kind, head_size):
     batch.check(batch.run(), ref)
 
 
+@BYTE_KEYS
 @pytest.mark.parametrize("requests", [[(1, 300), (1, 2000), (40, 500)], [(1, 300), (1, 2000), (2, 77)]],
                          ids=["mixed", "decode"])
-@pytest.mark.parametrize("kind", ["outliers", "zero_groups", "saturated"])
-def test_fp8_keys_adversarial_values(kind, requests):
-    """Outlier channels, zero groups, and keys past ±448 (saturated FP8) with values past NVFP4's range."""
-    batch = Batch(requests, kv=_adversarial_kv(kind), key_format="fp8", seed=7, k_scale=1.0, v_scale=1.0)
-    if kind in ("outliers", "saturated"):
-        batch.scale = 1e-4
+@pytest.mark.parametrize("kind", ["outliers", "zero_groups", "saturated", "zero_keys", "fp16_top"])
+def test_byte_keys_adversarial_values(key_format, kind, requests):
+    """Outlier channels, zero groups, all-zero keys (INT8 scale 0), keys past ±448 (saturated FP8) and past 127 · 65504
+    (saturated INT8 scale and codes), with values past NVFP4's range."""
+    batch = Batch(requests, kv=_adversarial_kv(kind), key_format=key_format, seed=7, k_scale=1.0, v_scale=1.0)
+    if kind in ("outliers", "saturated", "fp16_top"):
+        batch.scale = 1e-4 if kind != "fp16_top" else 1e-8
     batch.check(batch.run())
 
 

@@ -13,7 +13,8 @@ from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.vllm_adapter import common
 from vllm_nvfp4_plugin.vllm_adapter.common import check_nvfp4_layer, core_metadata
 from vllm_nvfp4_plugin.vllm_adapter.cpu_backend import NVFP4CPUAttentionBackend
-from vllm_nvfp4_plugin.vllm_adapter.spec import HND_LAYOUTS, NHD_LAYOUTS, customize_nvfp4_spec, page_view, spec_has_fp8_keys
+from vllm_nvfp4_plugin.vllm_adapter.spec import (HND_LAYOUTS, NHD_LAYOUTS, customize_nvfp4_spec, page_view,
+                                                 spec_has_fp8_keys, spec_key_format)
 
 
 def nvfp4_spec(head_size=64, num_kv_heads=3, block_size=32, **kw):
@@ -233,6 +234,7 @@ def test_key_format_option_gives_vllm_layers_the_fp8_key_page(monkeypatch):
     assert spec.page_size_bytes == NVFP4PageLayout(128, 16, 2, key_format="fp8").page_bytes == 16 * 2 * (128 + 72)
     plain = fp8_key_layer_spec(tiny_config(cache_dtype="nvfp4", block_size=16))
     assert plain.page_size_bytes == NVFP4PageLayout(128, 16, 2).page_bytes
+    assert (spec_key_format(spec), spec_key_format(plain)) == ("fp8", "nvfp4")
 
 
 def test_fp8_keys_kv_cache_dtype_name_where_vllm_can_register_one(monkeypatch):
@@ -260,7 +262,7 @@ def test_key_format_option_gives_vllm_layers_the_int8_key_page(monkeypatch):
     spec = fp8_key_layer_spec(config)
     layout = NVFP4PageLayout(128, 16, 2, key_format="int8")
     assert spec.page_size_bytes == layout.page_bytes == 16 * 2 * (130 + 72)
-    assert not spec_has_fp8_keys(spec)
+    assert not spec_has_fp8_keys(spec) and spec_key_format(spec) == "int8"
 
 
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])

@@ -2,7 +2,7 @@
 the engine loads (vLLM-free; the adapters apply it).
 
 The key format is the model's: "nvfp4" (the NVFP4 page), "fp8" (FP8 E4M3 keys, NVFP4 values: a page 25/18 the size)
-or "int8" (INT8 keys with one fp16 scale per token and head, NVFP4 values; CPU backend only). vLLM sizes every layer's page from one backend-wide spec hook that does not see the layer, so a model's layers
+or "int8" (INT8 keys with one fp16 scale per token and head, NVFP4 values). vLLM sizes every layer's page from one backend-wide spec hook that does not see the layer, so a model's layers
 share one key format. Every layer then picks:
 - its store rule: "nvfp4" (block scale max/6) or "nvfp4_4over6" (max/6 or max/4, whichever errs less);
 - optionally per-channel key smoothing: keys are stored as k / s and queries multiplied by s before attention,

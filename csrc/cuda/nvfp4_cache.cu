@@ -11,8 +11,10 @@
 // block) is found once per CTA, by one thread, into shared memory; a thread loads all its rows' codes before
 // decoding.
 // Blocks are (groups, heads, tokens) for the store and (2 x groups, heads, row sets) for the gather.
-// fp8_keys pages (kFp8): the same threads store and gather 16 (8) FP8 E4M3 key bytes where the NVFP4 path has a
-// group's codes and scale; the V side is unchanged. K and V sides have their own block strides.
+// fp8_keys pages (kKeys Fp8): the same threads store and gather 16 (8) FP8 E4M3 key bytes where the NVFP4 path has a
+// group's codes and scale; the V side is unchanged. K and V sides have their own block strides. INT8-key pages (Int8):
+// the same threads store and gather 16 (8) int8 codes; each reads its (token, head)'s fp16 scale (the store finds it
+// from the whole key row).
 #include <torch/csrc/stable/accelerator.h>
 #include <torch/csrc/stable/library.h>
 
@@ -73,15 +75,9 @@ struct EntryOffsets {
   __device__ int v_scale_at(int token) const { return v_scale + (token & ~3) * scale_step + (token & 3) * v_scale_unit; }
 };
 
-// One 16-element group of an FP8 key: e4m3(x / global), byte i = element i (division, as the reference).
-template <bool kVector, typename T>
-__device__ __forceinline__ void store_fp8_key_group(const Elements<GROUP, T>& x, float global, bool valid,
-                                                    uint8_t* dst) {
-  uint32_t w[4];
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    w[j] = e4m3_pair(to_float(x.x[4 * j]) / global, to_float(x.x[4 * j + 1]) / global) |
-           e4m3_pair(to_float(x.x[4 * j + 2]) / global, to_float(x.x[4 * j + 3]) / global) << 16;
+// The 16 key bytes of one group (byte i of word i / 4 is element i) at `dst` when `valid`.
+template <bool kVector>
+__device__ __forceinline__ void store_key_bytes(const uint32_t (&w)[4], bool valid, uint8_t* dst) {
   if constexpr (kVector) {
     // Predicated like store_group; two 8-byte stores (the caches are 8-byte aligned on this path).
     asm volatile(
@@ -94,6 +90,53 @@ __device__ __forceinline__ void store_fp8_key_group(const Elements<GROUP, T>& x,
     if (!valid) return;
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) dst[i] = static_cast<uint8_t>(w[i / 4] >> (8 * (i % 4)));
+  }
+}
+
+// One 16-element group of an FP8 key: e4m3(x / global), byte i = element i (division, as the reference).
+template <bool kVector, typename T>
+__device__ __forceinline__ void store_fp8_key_group(const Elements<GROUP, T>& x, float global, bool valid,
+                                                    uint8_t* dst) {
+  uint32_t w[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    w[j] = e4m3_pair(to_float(x.x[4 * j]) / global, to_float(x.x[4 * j + 1]) / global) |
+           e4m3_pair(to_float(x.x[4 * j + 2]) / global, to_float(x.x[4 * j + 3]) / global) << 16;
+  store_key_bytes<kVector>(w, valid, dst);
+}
+
+// One 16-element group `x` of the INT8 key `row` (the CPU op's store_int8_key): v = k / global, scale = fp16(min(max
+// |v| / 127, 65504)) to nearest even, codes round-half-even(v / scale) clamped to ±127 (0 where the scale is 0); a NaN
+// in the row stores the fp16 NaN 0x7E00 and zero codes. Every thread of the (token, head) reads the whole row for its
+// max (in L1 after the first), so none waits on another; `scale_dst` (the first group's thread) gets the scale.
+template <bool kVector, typename T>
+__device__ __forceinline__ void store_int8_key_group(const Elements<GROUP, T>& x, const T* row, int head_size,
+                                                     float global, bool valid, uint8_t* dst, uint8_t* scale_dst) {
+  float amax = 0.0f;
+  for (int j = 0; j < head_size; j += GROUP) {
+    const auto y = load_elements<GROUP, kVector>(row + j);
+#pragma unroll
+    for (int i = 0; i < GROUP; ++i) {
+      const float a = fabsf(to_float(y.x[i]) / global);  // per element, as the reference (k_scale 0 included)
+      amax = a > amax || a != a ? a : amax;              // a NaN sticks, as torch's amax
+    }
+  }
+  const bool nan = amax != amax;
+  const __half scale = __float2half_rn(nan ? 0.0f : fminf(amax / 127.0f, 65504.0f));
+  const float scale_value = __half2float(scale);
+  uint32_t w[4] = {0, 0, 0, 0};
+  if (scale_value != 0.0f) {
+#pragma unroll
+    for (int i = 0; i < GROUP; ++i) {
+      const float q = fmaxf(fminf(rintf(to_float(x.x[i]) / global / scale_value), 127.0f), -127.0f);
+      w[i / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(static_cast<int8_t>(q))) << (8 * (i % 4));
+    }
+  }
+  store_key_bytes<kVector>(w, valid, dst);
+  if (scale_dst != nullptr && valid) {
+    const uint16_t scale_bits = nan ? 0x7E00 : __half_as_ushort(scale);
+    scale_dst[0] = static_cast<uint8_t>(scale_bits & 0xFF);
+    scale_dst[1] = static_cast<uint8_t>(scale_bits >> 8);
   }
 }
 
@@ -135,7 +178,7 @@ __device__ __forceinline__ void store_group(const Elements<GROUP, T>& x, float g
 // At least 10 CTAs an SM: 48 registers instead of 62, 62.5% occupancy instead of 50%. ptxas keeps the
 // loop-invariant global scales and their reciprocals in local memory (stored once, reloaded once a head). On an
 // H200 (docs/KERNELS.md): 400 -> 385 us for 262,144 tokens; capped at 40 registers it spills inside the loop: 497 us.
-template <bool kVector, bool kFp8, typename T>
+template <bool kVector, KeyFormat kKeys, typename T>
 __global__ void __launch_bounds__(THREADS, 10) reshape_and_cache_nvfp4_kernel(
     const T* __restrict__ key, const T* __restrict__ value, int64_t key_token_stride, int64_t key_head_stride,
     int64_t value_token_stride, int64_t value_head_stride, uint8_t* __restrict__ key_cache,
@@ -148,7 +191,8 @@ __global__ void __launch_bounds__(THREADS, 10) reshape_and_cache_nvfp4_kernel(
   const float kg = __ldg(k_scale), vg = __ldg(v_scale);
   const int g = threadIdx.x;
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
-    const auto k = load_elements<GROUP, kVector>(key + token * key_token_stride + head * key_head_stride + g * GROUP);
+    const T* key_row = key + token * key_token_stride + head * key_head_stride;
+    const auto k = load_elements<GROUP, kVector>(key_row + g * GROUP);
     const auto v =
         load_elements<GROUP, kVector>(value + token * value_token_stride + head * value_head_stride + g * GROUP);
     // A negative slot is a padding token; a slot past the cache is skipped too (checking it on the host
@@ -161,8 +205,12 @@ __global__ void __launch_bounds__(THREADS, 10) reshape_and_cache_nvfp4_kernel(
     uint8_t* v_side = value_cache + block * value_block_stride;
     const EntryOffsets at(layout, static_cast<int>(head), g);
     const int data = at.data_at(offset);
-    if constexpr (kFp8)
+    if constexpr (kKeys == KeyFormat::Fp8)
       store_fp8_key_group<kVector>(k, kg, valid, k_side + layout.fp8_key_offset(offset, head) + g * GROUP);
+    else if constexpr (kKeys == KeyFormat::Int8)
+      store_int8_key_group<kVector>(k, key_row, static_cast<int>(layout.head_size), kg, valid,
+                                    k_side + layout.int8_key_offset(offset, head) + g * GROUP,
+                                    g == 0 ? k_side + layout.int8_key_scale_offset(offset, head) : nullptr);
     else
       store_group<kVector>(k, kg, 1.0f / kg, valid, k_side + data, k_side + at.k_scale_at(offset));
     store_group<kVector>(v, vg, 1.0f / vg, valid, v_side + data, v_side + at.v_scale_at(offset));
@@ -188,7 +236,8 @@ __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_4over6_kernel
   const int g = threadIdx.x;
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
     float x[GROUP];
-    const T* k = key + token * key_token_stride + head * key_head_stride + g * GROUP;
+    const T* key_row = key + token * key_token_stride + head * key_head_stride;
+    const T* k = key_row + g * GROUP;
 #pragma unroll
     for (int i = 0; i < GROUP; ++i) x[i] = to_float(k[i]);
     uint8_t* side = key_cache + block * key_block_stride;
@@ -196,6 +245,10 @@ __global__ void __launch_bounds__(THREADS) reshape_and_cache_nvfp4_4over6_kernel
       uint8_t* dst = side + layout.fp8_key_offset(offset, head) + g * GROUP;
 #pragma unroll
       for (int i = 0; i < GROUP; ++i) dst[i] = e4m3_byte(x[i] / kg);
+    } else if (layout.int8_keys()) {  // INT8 keys neither
+      store_int8_key_group<false>(load_elements<GROUP, false>(k), key_row, static_cast<int>(layout.head_size), kg,
+                                  true, side + layout.int8_key_offset(offset, head) + g * GROUP,
+                                  g == 0 ? side + layout.int8_key_scale_offset(offset, head) : nullptr);
     } else {
       side[layout.scale_offset(offset, head, g, false)] =
           nvfp4_4over6_group(x, kg, 1.0f / kg, side + layout.data_offset(offset, head) + g * GROUP / 2);
@@ -238,8 +291,9 @@ __device__ __forceinline__ void store_decoded(uint32_t codes, uint8_t scale, flo
 }
 
 // At least 8 CTAs an SM: 64 registers instead of 80, 50% occupancy instead of 37.5%, no spills.
-// FP8 keys (kFp8): the thread's 8 key bytes, e4m3 · k_scale, where the NVFP4 path has 8 codes.
-template <bool kVector, bool kFp8, typename T>
+// FP8 keys: the thread's 8 key bytes, e4m3 · k_scale, where the NVFP4 path has 8 codes; INT8 keys: its 8 codes and
+// the entry's fp16 scale, code · scale · k_scale (left to right, as the reference).
+template <bool kVector, KeyFormat kKeys, typename T>
 __global__ void __launch_bounds__(THREADS, 8) gather_nvfp4_kv_cache_kernel(
     const uint8_t* __restrict__ key_cache, const uint8_t* __restrict__ value_cache, int64_t key_block_stride,
     int64_t value_block_stride, int64_t num_blocks, const int32_t* __restrict__ block_table, int64_t table_stride,
@@ -264,18 +318,24 @@ __global__ void __launch_bounds__(THREADS, 8) gather_nvfp4_kv_cache_kernel(
   const float kg = __ldg(k_scale), vg = __ldg(v_scale);
   for (int64_t head = threadIdx.y; head < layout.num_heads; head += blockDim.y) {
     const EntryOffsets at(layout, static_cast<int>(head), g);
-    uint32_t k_codes[ROWS][kFp8 ? 2 : 1], v_codes[ROWS];
+    constexpr bool kByteKeys = kKeys != KeyFormat::Nvfp4;
+    uint32_t k_codes[ROWS][kByteKeys ? 2 : 1], v_codes[ROWS];
     uint8_t k_sf[ROWS], v_sf[ROWS];
+    uint16_t k_int8_scale[ROWS];
 #pragma unroll
     for (int u = 0; u < ROWS; ++u) {  // every load first, then the decodes
       if (sources[u].block_byte < 0) continue;
       const uint8_t* k_side = key_cache + sources[u].block_byte * key_block_stride;
       const uint8_t* v_side = value_cache + sources[u].block_byte * value_block_stride;
       const int data = at.data_at(sources[u].offset) + half * 4;
-      if constexpr (kFp8) {
+      if constexpr (kByteKeys) {  // fp8_key_offset == int8_key_offset
         const uint8_t* bytes = k_side + layout.fp8_key_offset(sources[u].offset, head) + g * GROUP + half * 8;
         k_codes[u][0] = load_codes<kVector>(bytes);
         k_codes[u][1] = load_codes<kVector>(bytes + 4);
+        if constexpr (kKeys == KeyFormat::Int8) {
+          const uint8_t* scale = k_side + layout.int8_key_scale_offset(sources[u].offset, head);
+          k_int8_scale[u] = static_cast<uint16_t>(__ldg(scale) | __ldg(scale + 1) << 8);
+        }
       } else {
         k_codes[u][0] = load_codes<kVector>(k_side + data);
         k_sf[u] = __ldg(k_side + at.k_scale_at(sources[u].offset));
@@ -288,10 +348,17 @@ __global__ void __launch_bounds__(THREADS, 8) gather_nvfp4_kv_cache_kernel(
       if (sources[u].block_byte < 0) continue;
       const int64_t row = first + threadIdx.z + u * blockDim.z, column = g * GROUP + half * 8;
       T* key_out = out_key + row * key_row_stride + head * key_head_stride + column;
-      if constexpr (kFp8) {
+      if constexpr (kKeys == KeyFormat::Fp8) {
         float k[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) k[i] = e4m3_value(static_cast<uint8_t>(k_codes[u][i / 4] >> (8 * (i % 4)))) * kg;
+        store_floats<8, kVector>(k, key_out);
+      } else if constexpr (kKeys == KeyFormat::Int8) {
+        const float scale = __half2float(__ushort_as_half(k_int8_scale[u]));
+        float k[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+          k[i] = static_cast<float>(static_cast<int8_t>(k_codes[u][i / 4] >> (8 * (i % 4)))) * scale * kg;
         store_floats<8, kVector>(k, key_out);
       } else {
         store_decoded<kVector>(k_codes[u][0], k_sf[u], kg, lut, key_out);
@@ -314,8 +381,8 @@ bool cache_aligned(const Tensor& key_cache, const Tensor& value_cache) {
          key_cache.stride(0) % 8 == 0 && value_cache.stride(0) % 8 == 0;
 }
 
-// Both stores share one launcher: the plain rule (a vector or a scalar kernel, NVFP4 or FP8 keys) or vLLM's 4over6
-// choice.
+// Both stores share one launcher: the plain rule (a vector or a scalar kernel, NVFP4, FP8 or INT8 keys) or vLLM's
+// 4over6 choice.
 void store_cuda(const char* op, bool four_over_six, const Tensor& key, const Tensor& value, Tensor& key_cache,
                 Tensor& value_cache, const Tensor& slot_mapping, const Tensor& k_scale, const Tensor& v_scale,
                 bool swizzle_v_scales) {
@@ -343,9 +410,14 @@ void store_cuda(const char* op, bool four_over_six, const Tensor& key, const Ten
     if (four_over_six)
       launch(reshape_and_cache_nvfp4_4over6_kernel<T>);
     else if (layout.fp8_keys())
-      launch(vector ? reshape_and_cache_nvfp4_kernel<true, true, T> : reshape_and_cache_nvfp4_kernel<false, true, T>);
+      launch(vector ? reshape_and_cache_nvfp4_kernel<true, KeyFormat::Fp8, T>
+                    : reshape_and_cache_nvfp4_kernel<false, KeyFormat::Fp8, T>);
+    else if (layout.int8_keys())
+      launch(vector ? reshape_and_cache_nvfp4_kernel<true, KeyFormat::Int8, T>
+                    : reshape_and_cache_nvfp4_kernel<false, KeyFormat::Int8, T>);
     else
-      launch(vector ? reshape_and_cache_nvfp4_kernel<true, false, T> : reshape_and_cache_nvfp4_kernel<false, false, T>);
+      launch(vector ? reshape_and_cache_nvfp4_kernel<true, KeyFormat::Nvfp4, T>
+                    : reshape_and_cache_nvfp4_kernel<false, KeyFormat::Nvfp4, T>);
   });
   check_launch(op);
 }
@@ -394,9 +466,14 @@ void gather_nvfp4_kv_cache_cuda(const Tensor& key_cache, const Tensor& value_cac
     const bool vector =
         activations_aligned<T>(out_key) && activations_aligned<T>(out_value) && cache_aligned(key_cache, value_cache);
     if (layout.fp8_keys())
-      launch(vector ? gather_nvfp4_kv_cache_kernel<true, true, T> : gather_nvfp4_kv_cache_kernel<false, true, T>);
+      launch(vector ? gather_nvfp4_kv_cache_kernel<true, KeyFormat::Fp8, T>
+                    : gather_nvfp4_kv_cache_kernel<false, KeyFormat::Fp8, T>);
+    else if (layout.int8_keys())
+      launch(vector ? gather_nvfp4_kv_cache_kernel<true, KeyFormat::Int8, T>
+                    : gather_nvfp4_kv_cache_kernel<false, KeyFormat::Int8, T>);
     else
-      launch(vector ? gather_nvfp4_kv_cache_kernel<true, false, T> : gather_nvfp4_kv_cache_kernel<false, false, T>);
+      launch(vector ? gather_nvfp4_kv_cache_kernel<true, KeyFormat::Nvfp4, T>
+                    : gather_nvfp4_kv_cache_kernel<false, KeyFormat::Nvfp4, T>);
   });
   check_launch(op);
 }

@@ -24,9 +24,11 @@
 // step's k-pairs are 4 consecutive tokens of one lane; V's output columns come out permuted and are placed
 // right when stored.
 //
-// FP8 keys (an fp8_keys page, template flag FP8): the K pages hold E4M3 bytes, copied and loaded like the codes
+// FP8 keys (an fp8_keys page, template flag KEYS): the K pages hold E4M3 bytes, copied and loaded like the codes
 // (twice as many bytes) and converted in registers to their exact float16 values, in the pairs the code decode
-// makes; k_scale alone scales the logits (no 2^14), the V side is unchanged.
+// makes; k_scale alone scales the logits (no 2^14), the V side is unchanged. INT8 keys: the same with int8 codes
+// (exact in float16), and each key's fp16 scale, copied with its bytes, multiplies its logit in float32 after the
+// MMA (scaling the codes in float16 could overflow: 127 · 65504).
 //
 // Split-KV: when (requests × KV heads × query tiles) would leave SMs idle, the KV range is cut into splits
 // planned from the host-side max_seq_len bound (never from device values, so a captured CUDA graph stays
@@ -40,6 +42,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "checks.h"
 #include "common.cuh"
@@ -53,19 +56,23 @@ constexpr int ATTN_WARPS = ATTN_THREADS / WARP;
 constexpr int TILE = 64;                 // KV tokens per pipeline stage
 constexpr int STEP = 16;                 // tokens per warp step: two n8 blocks of S, one k16 block of P·V
 constexpr int STAGE_BUDGET = 36864;      // bytes of shared memory for the stage ring (under the 48 KB default)
-constexpr int FP8_STAGE_BUDGET = 49152;  // FP8 keys: 3 / 7 stages at head 128 / 64 (head 256: two, 50 KB, opted in)
+constexpr int FP8_STAGE_BUDGET = 49152;  // FP8 and INT8 keys: 3 / 7 stages at head 128 / 64 (head 256: two, 50 KB,
+                                         // opted in)
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float CODE_UNIT = 16384.0f;  // 2^14: a decoded code is its E2M1 value / 2^14
 
-template <int D, bool FP8>
+template <int D, KeyFormat KEYS>
 struct Tiles {
-  static constexpr int DATA = D / 2;            // code bytes of one (token, head)
-  static constexpr int SCALES = D / 16;         // scale bytes of one (token, head)
-  static constexpr int K_ROW = FP8 ? D : DATA;  // K bytes of one (token, head): FP8 keys or codes
+  static constexpr bool BYTE_KEYS = KEYS != KeyFormat::Nvfp4;  // FP8 or INT8 keys: a byte an element
+  static constexpr int DATA = D / 2;                           // code bytes of one (token, head)
+  static constexpr int SCALES = D / 16;                        // scale bytes of one (token, head)
+  static constexpr int K_ROW = BYTE_KEYS ? D : DATA;           // K bytes of one (token, head): key bytes or codes
+  // K scale bytes of one token: its block scales (NVFP4), none (FP8), the aligned word holding its fp16 scale (INT8)
+  static constexpr int K_SCALE_ROW = KEYS == KeyFormat::Nvfp4 ? SCALES : KEYS == KeyFormat::Int8 ? 4 : 0;
   static constexpr int K_DATA = 0, V_DATA = TILE * K_ROW, K_SCALES = V_DATA + TILE * DATA;
-  static constexpr int V_SCALES = K_SCALES + (FP8 ? 0 : TILE * SCALES);
+  static constexpr int V_SCALES = K_SCALES + TILE * K_SCALE_ROW;
   static constexpr int STAGE_BYTES = V_SCALES + TILE * SCALES;
-  static constexpr int BUDGET = FP8 ? FP8_STAGE_BUDGET : STAGE_BUDGET;
+  static constexpr int BUDGET = BYTE_KEYS ? FP8_STAGE_BUDGET : STAGE_BUDGET;
   static constexpr int STAGES =
       BUDGET / STAGE_BYTES > 2 ? BUDGET / STAGE_BYTES : 2;  // NVFP4: 8 / 4 / 2 (head 64 / 128 / 256)
   static constexpr int Q_CHUNK = D / 4;                     // query elements (K codes) of one lane's quarter of a row
@@ -156,11 +163,27 @@ __device__ __forceinline__ void scale_pairs(uint32_t four_bytes, uint32_t& lo, u
 #endif
 }
 
-// Eight FP8 key bytes of one 8-element group (`lo`: elements 0..3, `hi`: 4..7) as the float16 pairs code_pairs
-// makes of a code word: h[I] = (element I, element I + 4).
-__device__ __forceinline__ void fp8_pairs(uint32_t lo, uint32_t hi, uint32_t (&h)[4]) {
-  e4m3x4_to_half2(__byte_perm(lo, hi, 0x5140), h[0], h[1]);
-  e4m3x4_to_half2(__byte_perm(lo, hi, 0x7362), h[2], h[3]);
+// Four int8 bytes as the exact float16 pairs (byte 0, byte 1) and (byte 2, byte 3): a byte with its sign bit flipped
+// (its value + 128) as the low byte of 0x64.. is the float16 1024 + value + 128, and subtracting 1152 is exact.
+__device__ __forceinline__ void int8x4_to_half2(uint32_t x, uint32_t& lo, uint32_t& hi) {
+  const uint32_t biased = x ^ 0x80808080u;
+  const __half2 offset = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));  // 1152
+  uint32_t a = __byte_perm(biased, 0x64646464u, 0x4140), b = __byte_perm(biased, 0x64646464u, 0x4342);
+  lo = half2_bits(__hsub2(*reinterpret_cast<__half2*>(&a), offset));
+  hi = half2_bits(__hsub2(*reinterpret_cast<__half2*>(&b), offset));
+}
+
+// Eight key bytes of one 8-element group (`lo`: elements 0..3, `hi`: 4..7), FP8 E4M3 or INT8, as the float16 pairs
+// code_pairs makes of a code word: h[I] = (element I, element I + 4).
+template <KeyFormat KEYS>
+__device__ __forceinline__ void key_pairs(uint32_t lo, uint32_t hi, uint32_t (&h)[4]) {
+  if constexpr (KEYS == KeyFormat::Int8) {
+    int8x4_to_half2(__byte_perm(lo, hi, 0x5140), h[0], h[1]);
+    int8x4_to_half2(__byte_perm(lo, hi, 0x7362), h[2], h[3]);
+  } else {
+    e4m3x4_to_half2(__byte_perm(lo, hi, 0x5140), h[0], h[1]);
+    e4m3x4_to_half2(__byte_perm(lo, hi, 0x7362), h[2], h[3]);
+  }
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -232,6 +255,18 @@ __device__ __forceinline__ int2 block_position(const Params& p, int pos) {
   return make_int2(pos / block_size, pos % block_size);
 }
 
+// The (key, head) entry of the key at `pos` inside its block, the same on both cache sides.
+__device__ __forceinline__ int run_entry(const Params& p, int pos, int head) {
+  const int offset = block_position(p, pos).y;
+  return p.layout.hnd ? head * static_cast<int>(p.layout.block_size) + offset
+                      : offset * static_cast<int>(p.layout.num_heads) + head;
+}
+
+// An INT8 key's fp16 scale as a float, from the aligned 4-byte word holding it: the half of the entry's parity.
+__device__ __forceinline__ float int8_key_scale(uint32_t word, int entry) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(word >> (16 * (entry & 1)))));
+}
+
 // Which tokens of a tile this thread copies: a warp's 16-byte chunks cover whole (token, head) rows, so each copy
 // instruction reads contiguous rows. Data: chunk tid % CHUNKS of tokens data_token(j), in K and in V; scales:
 // token tid % TILE of side tid / TILE.
@@ -269,12 +304,13 @@ __device__ __forceinline__ void tile_pages(int (&pages)[TileCopy<D>::PAGES], con
   }
 }
 
-// The KV tile's raw bytes into one stage (zeros where a token has no block). FP8 keys: a K row is two code rows
-// long, copied as two chunks of the same row; no K scales.
-template <int D, bool FP8>
+// The KV tile's raw bytes into one stage (zeros where a token has no block). FP8 and INT8 keys: a K row is two code
+// rows long, copied as two chunks of the same row; no K block scales. INT8 keys: the aligned 4-byte word holding the
+// token's fp16 scale (past an odd last entry, the padding up to the block stride's 16-byte multiple).
+template <int D, KeyFormat KEYS>
 __device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, int head, int tile,
                                           const int (&pages)[TileCopy<D>::PAGES]) {
-  using G = Tiles<D, FP8>;
+  using G = Tiles<D, KEYS>;
   using C = TileCopy<D>;
   // entry_index(offset, head) = offset · token_step + head_entry (NHD: token-major, HND: head-major)
   const int token_step = static_cast<int>(p.layout.token_step());
@@ -287,23 +323,29 @@ __device__ __forceinline__ void load_tile(uint8_t* stage, const Params& p, int h
     const int64_t k_offset = static_cast<int64_t>(max(block, 0)) * p.key_block_stride + entry * G::K_ROW + 16 * chunk;
     const int64_t v_offset = static_cast<int64_t>(max(block, 0)) * p.value_block_stride + entry * G::DATA + 16 * chunk;
     copy_async<16>(stage + G::K_DATA + token * G::K_ROW + 16 * chunk, p.key_cache + k_offset, block >= 0);
-    if constexpr (FP8)
+    if constexpr (G::BYTE_KEYS)
       copy_async<16>(stage + G::K_DATA + token * G::K_ROW + G::DATA + 16 * chunk, p.key_cache + k_offset + G::DATA,
                      block >= 0);
     copy_async<16>(stage + G::V_DATA + token * G::DATA + 16 * chunk, p.value_cache + v_offset, block >= 0);
   }
   const int side = threadIdx.x / TILE, token = C::scale_token(), block = pages[C::DATA_TOKENS];
-  if (FP8 && side == 0) return;  // no K scales
+  if (KEYS == KeyFormat::Fp8 && side == 0) return;  // no K scales
   const int entry = block_position(p, tile * TILE + token).y * token_step + head_entry;
+  if (KEYS == KeyFormat::Int8 && side == 0) {
+    const uint8_t* word = p.key_cache + static_cast<int64_t>(max(block, 0)) * p.key_block_stride +
+                          static_cast<int>(p.layout.entries()) * D + ((2 * entry) & ~3);
+    copy_async<4>(stage + G::K_SCALES + token * 4, word, block >= 0);
+    return;
+  }
   const int64_t stride = side ? p.value_block_stride : p.key_block_stride;
   const uint8_t* src = (side ? p.value_cache : p.key_cache) + static_cast<int64_t>(max(block, 0)) * stride +
                        static_cast<int>(p.layout.data_region_bytes()) + entry * G::SCALES;
   copy_async<G::SCALES>(stage + (side ? G::V_SCALES : G::K_SCALES) + token * G::SCALES, src, block >= 0);
 }
 
-template <int D, int WARPS_M, bool FP8, typename T>
+template <int D, int WARPS_M, KeyFormat KEYS, typename T>
 __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Params p) {
-  using G = Tiles<D, FP8>;
+  using G = Tiles<D, KEYS>;
   constexpr int WARPS_N = ATTN_WARPS / WARPS_M;
   constexpr int ROWS = 16 * WARPS_M;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -337,7 +379,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
   for (int s = 0; s < G::STAGES - 1; ++s) {
     if (s < num_tiles) {
       tile_pages<D>(pages, p, table_row, tile_begin + s, kv_lo, kv_end);
-      load_tile<D, FP8>(smem + s * G::STAGE_BYTES, p, head, tile_begin + s, pages);
+      load_tile<D, KEYS>(smem + s * G::STAGE_BYTES, p, head, tile_begin + s, pages);
     }
     copy_commit();
   }
@@ -372,7 +414,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
     if (amax > 0.0f) frexpf(amax, &exponent);   // amax < 2^exponent
     const int shift = min(127, 15 - exponent);  // max |q| · 2^shift in [2^14, 2^15)
     const float up = ldexpf(1.0f, shift);
-    row_scale[r] = p.logit_scale * __ldg(p.k_scale) * (FP8 ? 1.0f : CODE_UNIT) * ldexpf(1.0f, -shift);
+    row_scale[r] = p.logit_scale * __ldg(p.k_scale) * (G::BYTE_KEYS ? 1.0f : CODE_UNIT) * ldexpf(1.0f, -shift);
 #pragma unroll
     for (int j = 0; j < G::KSTEPS; ++j) {
       const int base = 8 * (j >> 1) + 2 * (j & 1);
@@ -394,7 +436,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
     {
       const int next = it + G::STAGES - 1;
       if (next < num_tiles)
-        load_tile<D, FP8>(smem + (next % G::STAGES) * G::STAGE_BYTES, p, head, tile_begin + next, pages);
+        load_tile<D, KEYS>(smem + (next % G::STAGES) * G::STAGE_BYTES, p, head, tile_begin + next, pages);
       copy_commit();
       tile_pages<D>(pages, p, table_row, next + 1 < num_tiles ? tile_begin + next + 1 : -1, kv_lo, kv_end);
     }
@@ -411,13 +453,13 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
       for (int nb = 0; nb < 2; ++nb) {
         s[nb][0] = s[nb][1] = s[nb][2] = s[nb][3] = 0.0f;
         const int token = st * STEP + 4 * (g >> 1) + 2 * nb + (g & 1);
-        if constexpr (FP8) {
+        if constexpr (G::BYTE_KEYS) {
           const uint8_t* keys = stage + G::K_DATA + token * G::K_ROW + t * (G::K_ROW / 4);
 #pragma unroll
           for (int u = 0; u < G::K_WORDS; ++u) {
             const uint2 pair = *reinterpret_cast<const uint2*>(keys + 8 * u);
             uint32_t h[4];
-            fp8_pairs(pair.x, pair.y, h);
+            key_pairs<KEYS>(pair.x, pair.y, h);
             mma_f16(s[nb], qa[2 * u], h[0], h[1]);
             mma_f16(s[nb], qa[2 * u + 1], h[2], h[3]);
           }
@@ -444,6 +486,17 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
         }
       }
       // Online softmax in the log2 domain; element (nb, e) of row r is token 4t + 2nb + e of the step.
+      float key_scale[2][2];  // INT8 keys: element (nb, e)'s key scale, applied to the float32 logit
+      if constexpr (KEYS == KeyFormat::Int8) {
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int token = st * STEP + 4 * t + 2 * nb + e;
+            key_scale[nb][e] = int8_key_scale(*reinterpret_cast<const uint32_t*>(stage + G::K_SCALES + token * 4),
+                                              run_entry(p, tile_start + token, head));
+          }
+      }
       float alpha[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -454,6 +507,7 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
           for (int e = 0; e < 2; ++e) {
             const int pos = step_start + 4 * t + 2 * nb + e;
             float x = s[nb][2 * r + e] * row_scale[r];
+            if constexpr (KEYS == KeyFormat::Int8) x *= key_scale[nb][e];
             if (p.soft_cap_log2 > 0.0f) x = p.soft_cap_log2 * tanhf(x / p.soft_cap_log2);
             x = pos >= row_start[r] && pos < row_limit[r] ? x : -INFINITY;
             s[nb][2 * r + e] = x;
@@ -642,15 +696,18 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
 // swizzled V scales share one 32-bit word): its pieces of at most 16 bytes of the K row, pieces 4p + t
 // (DecodeSlot::piece_offset); for V it loads the channel eighth g of keys 4t .. 4t + 3. Channel orders inside a
 // piece or an eighth are permuted as the decode of a 32-bit code word comes out; the query is loaded in the
-// matching order and the output written back in channel order.
+// matching order and the output written back in channel order. INT8 keys: the four lanes of a g share its four keys
+// (σ(g), σ(g) + 2 of both runs); lane t copies the aligned word holding key t's fp16 scale and shuffles the scale to
+// the other three (a word a key each would cost the fourth CTA an SM at head 128).
 constexpr int DECODE_WARPS = 4;
 constexpr int DECODE_THREADS = DECODE_WARPS * WARP;
 constexpr int DECODE_CHUNK = 32;  // keys of one warp iteration: two 16-key blocks
 
-template <int D, bool FP8>
+template <int D, KeyFormat KEYS>
 struct DecodeShape {
-  static constexpr int K_ROW = FP8 ? D : D / 2;  // K bytes of one (key, head)
-  static constexpr int K_BYTES = K_ROW / 4;      // one lane's quarter of a K row
+  static constexpr bool BYTE_KEYS = KEYS != KeyFormat::Nvfp4;  // FP8 or INT8 keys: a byte an element
+  static constexpr int K_ROW = BYTE_KEYS ? D : D / 2;          // K bytes of one (key, head)
+  static constexpr int K_BYTES = K_ROW / 4;                    // one lane's quarter of a K row
   static constexpr int K_WORDS = K_BYTES / 4;
   static constexpr int V_BYTES = D / 16;  // one lane's eighth of a V row
   static constexpr int V_WORDS = D / 64;
@@ -661,12 +718,12 @@ struct DecodeShape {
 
 // One warp's bytes of one chunk in shared memory. Each lane reads back only the bytes it copied itself, so no
 // barrier stands between a copy and its use; the bytes are kept lane-minor so that every access is conflict-free.
-template <int D, bool FP8>
+template <int D, KeyFormat KEYS>
 struct DecodeSlot {
-  using S = DecodeShape<D, FP8>;
+  using S = DecodeShape<D, KEYS>;
   static constexpr int K_PIECE = S::K_BYTES < 16 ? S::K_BYTES : 16;  // bytes of one copy of a K quarter
   static constexpr int K_PIECES = S::K_BYTES / K_PIECE;
-  static constexpr int PIECE_CHANNELS = FP8 ? K_PIECE : 2 * K_PIECE;
+  static constexpr int PIECE_CHANNELS = S::BYTE_KEYS ? K_PIECE : 2 * K_PIECE;
   // Where lane t's piece p of a K row starts: the four lanes of a key take its pieces in turn, so that each copy
   // instruction reads whole 32-byte sectors. A lane's own 32 bytes in two copies had each instruction read half of
   // every sector it touched, so every sector twice: FP8 keys at head 128 had their busiest memory unit at 82% for 47%
@@ -674,10 +731,12 @@ struct DecodeSlot {
   // byte piece_offset / 8 of the key's scale row (a scale byte for each 8 bytes of codes).
   __host__ __device__ static constexpr int piece_offset(int t, int p) { return (4 * p + t) * K_PIECE; }
   static constexpr int K_DATA = 0;                                         // [16-key run][key r][piece][lane]
-  static constexpr int K_SCALES = K_DATA + 4 * K_PIECES * WARP * K_PIECE;  // [run][key r][piece][lane]: the 4-byte
-                                                                           // word holding the piece's scale bytes
-  static constexpr int V_DATA = K_SCALES + (FP8 ? 0 : 4 * K_PIECES * WARP * 4);  // [run][key 4t + i][lane]
-  static constexpr int V_SCALES = V_DATA + 8 * WARP * S::V_BYTES;                // [run][group][lane]: a 4-byte word
+  static constexpr int K_SCALES = K_DATA + 4 * K_PIECES * WARP * K_PIECE;  // [run][key r][word][lane]: the 4-byte
+                                                                           // words holding the key's scale bytes
+  // K scale bytes of one lane: a word per piece of each of its 4 keys (NVFP4), none (FP8), one word (INT8: [lane])
+  static constexpr int K_SCALE_BYTES = KEYS == KeyFormat::Nvfp4 ? 4 * K_PIECES * 4 : KEYS == KeyFormat::Int8 ? 4 : 0;
+  static constexpr int V_DATA = K_SCALES + K_SCALE_BYTES * WARP;   // [run][key 4t + i][lane]
+  static constexpr int V_SCALES = V_DATA + 8 * WARP * S::V_BYTES;  // [run][group][lane]: a 4-byte word
   static constexpr int BYTES = V_SCALES + 2 * S::V_GROUPS * WARP * 4;
 };
 
@@ -701,16 +760,16 @@ __device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
 // loads. Swizzled: the word holding its four keys' bytes of each of its groups. Linear: word (g / 4 + 2q) mod
 // (D / 64) of key 4t + g % 4's scale row, for q < V_GROUPS; the eight lanes of a t load every word that holds a
 // byte they need, and shuffle the bytes to their owners (join_v_scales).
-template <int D, bool SWIZZLE, bool FP8>
+template <int D, bool SWIZZLE, KeyFormat KEYS>
 struct LaneOffsets {
-  using S = DecodeShape<D, FP8>;
+  using S = DecodeShape<D, KEYS>;
   int k_data, k_scales, v_data, v_scales[S::V_GROUPS];
 
   __device__ LaneOffsets(const Params& p) {
     const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, sigma = 2 * g - (g & 1);
     const int step = static_cast<int>(p.layout.token_step());
-    k_data = sigma * step * S::K_ROW + DecodeSlot<D, FP8>::piece_offset(t, 0);
-    k_scales = (sigma * step * (D / 16) + DecodeSlot<D, FP8>::piece_offset(t, 0) / 8) & ~3;  // the aligned word
+    k_data = sigma * step * S::K_ROW + DecodeSlot<D, KEYS>::piece_offset(t, 0);
+    k_scales = (sigma * step * (D / 16) + DecodeSlot<D, KEYS>::piece_offset(t, 0) / 8) & ~3;  // the aligned word
     v_data = 4 * t * step * (D / 2) + S::V_BYTES * g;
 #pragma unroll
     for (int q = 0; q < S::V_GROUPS; ++q) {
@@ -735,13 +794,6 @@ __device__ __forceinline__ int2 chunk_blocks(const Params& p, const int32_t* tab
   return make_int2(blocks[0], blocks[1]);
 }
 
-// The (key, head) entry of a 16-key run's first key inside its block, the same on both cache sides.
-__device__ __forceinline__ int run_entry(const Params& p, int pos, int head) {
-  const int offset = block_position(p, pos).y;
-  return p.layout.hnd ? head * static_cast<int>(p.layout.block_size) + offset
-                      : offset * static_cast<int>(p.layout.num_heads) + head;
-}
-
 // `BYTES` of this lane's own bytes in shared memory as 32-bit words.
 template <int BYTES>
 __device__ __forceinline__ void read_own(uint32_t* dst, const uint8_t* src) {
@@ -758,15 +810,15 @@ __device__ __forceinline__ void read_own(uint32_t* dst, const uint8_t* src) {
 
 // Copies this lane's bytes of the chunk at `chunk_start`, whose two 16-key runs lie in `blocks`, into `slot` (keys
 // outside [lo, hi) or without a block are zero-filled, their addresses never read). K scales: per piece, the aligned
-// word holding its scale bytes. Swizzled V scales: the word of the four keys' bytes if any of them is read
-// (attend zeroes the bytes of unread keys); linear: the word LaneOffsets names, if its key is read. WHOLE: every
-// key of the chunk is read (most chunks), so no copy needs a test.
-template <bool WHOLE, int D, bool SWIZZLE, bool FP8>
+// word holding its scale bytes (INT8 keys: the word holding key t's fp16 scale, see below). Swizzled V scales: the word
+// of the four keys' bytes if any of them is read (attend zeroes the bytes of unread keys); linear: the word LaneOffsets
+// names, if its key is read. WHOLE: every key of the chunk is read (most chunks), so no copy needs a test.
+template <bool WHOLE, int D, bool SWIZZLE, KeyFormat KEYS>
 __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
-                                                const LaneOffsets<D, SWIZZLE, FP8>& lane, int2 blocks, int head,
+                                                const LaneOffsets<D, SWIZZLE, KEYS>& lane, int2 blocks, int head,
                                                 int chunk_start, int lo, int hi) {
-  using S = DecodeShape<D, FP8>;
-  using L = DecodeSlot<D, FP8>;
+  using S = DecodeShape<D, KEYS>;
+  using L = DecodeSlot<D, KEYS>;
   const int lane_id = threadIdx.x % WARP, g = lane_id >> 2, t = lane_id & 3, sigma = 2 * g - (g & 1);
   const int data_bytes = static_cast<int>(p.layout.data_region_bytes());
   const int step = static_cast<int>(p.layout.token_step());  // uniform, recomputed here rather than kept in registers
@@ -793,7 +845,7 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
       for (int piece = 0; piece < L::K_PIECES; ++piece)
         copy_async<L::K_PIECE>(slot + L::K_DATA + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane_id) * L::K_PIECE,
                                src + L::piece_offset(0, piece), read);
-      if constexpr (!FP8)
+      if constexpr (KEYS == KeyFormat::Nvfp4)
 #pragma unroll
         for (int piece = 0; piece < L::K_PIECES; ++piece)
           copy_async<4>(slot + L::K_SCALES + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane_id) * 4,
@@ -816,10 +868,20 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
       copy_async<4>(slot + L::V_SCALES + ((b * S::V_GROUPS + q) * WARP + lane_id) * 4,
                     scales_read ? v_scales + static_cast<uint32_t>(lane.v_scales[q]) : p.value_cache, scales_read);
   }
+  if constexpr (KEYS == KeyFormat::Int8) {  // key t of the lane's g: key r = t % 2 of run b = t / 2
+    const int b = t >> 1, r = t & 1, run = chunk_start + 16 * b, block = b ? blocks.y : blocks.x;
+    const int pos = run + sigma + 2 * r;
+    const bool read = WHOLE || (block >= 0 && pos >= lo && pos < hi);
+    // The scales follow every entry's D code bytes (2 · data_bytes).
+    const uint32_t word = 2 * data_bytes + ((2 * (run_entry(p, run, head) + (sigma + 2 * r) * step)) & ~3);
+    const uint32_t block_index = max(block, 0);
+    copy_async<4>(slot + L::K_SCALES + lane_id * 4,
+                  read ? p.key_cache + block_index * p.key_block_stride + word : p.key_cache, read);
+  }
 }
 
-template <int D, bool SWIZZLE, bool FP8>
-__device__ __forceinline__ void copy_chunk(uint8_t* slot, const Params& p, const LaneOffsets<D, SWIZZLE, FP8>& lane,
+template <int D, bool SWIZZLE, KeyFormat KEYS>
+__device__ __forceinline__ void copy_chunk(uint8_t* slot, const Params& p, const LaneOffsets<D, SWIZZLE, KEYS>& lane,
                                            int2 blocks, int head, int chunk_start, int lo, int hi) {
   if (blocks.x >= 0 && blocks.y >= 0 && chunk_start >= lo && chunk_start + DECODE_CHUNK <= hi)
     copy_chunk_keys<true>(slot, p, lane, blocks, head, chunk_start, lo, hi);
@@ -831,11 +893,11 @@ __device__ __forceinline__ void copy_chunk(uint8_t* slot, const Params& p, const
 // bytes of keys outside [lo, hi) are zeroed (their codes are zero, but a scale byte may be NaN, and NaN · 0 is NaN).
 // Linear: gathered from the words its t's lanes copied: key 4t + i's word w is held by lane g = i + 4 (w % 2), as
 // its copy w / 2.
-template <int D, bool SWIZZLE, bool FP8>
-__device__ __forceinline__ void read_v_scales(uint32_t (&v_scales)[DecodeShape<D, FP8>::V_GROUPS], const uint8_t* slot,
+template <int D, bool SWIZZLE, KeyFormat KEYS>
+__device__ __forceinline__ void read_v_scales(uint32_t (&v_scales)[DecodeShape<D, KEYS>::V_GROUPS], const uint8_t* slot,
                                               int b, int run, int lo, int hi) {
-  using S = DecodeShape<D, FP8>;
-  using L = DecodeSlot<D, FP8>;
+  using S = DecodeShape<D, KEYS>;
+  using L = DecodeSlot<D, KEYS>;
   const int lane_id = threadIdx.x % WARP, g = lane_id >> 2, t = lane_id & 3;
   uint32_t words[S::V_GROUPS];
 #pragma unroll
@@ -874,9 +936,9 @@ __device__ __forceinline__ void read_v_scales(uint32_t (&v_scales)[DecodeShape<D
 // This lane's K block scales of key r of run b, in the order of its code words (one scale a 16 codes), each as a
 // float16 pair (scale j, scale j) in sf[j]: one byte permute picks a word's scale bytes and doubles them, and the
 // conversions of its two halves make the pairs.
-template <int D, bool FP8>
+template <int D, KeyFormat KEYS>
 __device__ __forceinline__ void k_scale_splats(const uint8_t* slot, int b, int r, uint32_t (&sf)[4]) {
-  using L = DecodeSlot<D, FP8>;
+  using L = DecodeSlot<D, KEYS>;
   const int lane = threadIdx.x % WARP, t = lane & 3;
   uint32_t words[L::K_PIECES];  // per piece, the aligned word holding its scale bytes
 #pragma unroll
@@ -907,9 +969,9 @@ __device__ __forceinline__ int2 decode_splits(int chunks, int max_splits) {
 // four (128 registers a thread) up to head 128 with 8 query rows, two for the wide cases (head 256, or 16 rows).
 constexpr int decode_ctas_per_sm(int d, int nb) { return d * nb <= 128 ? 4 : 2; }
 
-template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
+template <int D, int NB, bool SWIZZLE, KeyFormat KEYS, typename T>
 __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvfp4_paged_decode_kernel(Params p) {
-  using S = DecodeShape<D, FP8>;
+  using S = DecodeShape<D, KEYS>;
   constexpr int QROWS = 8 * NB;
   __shared__ float merge_m[DECODE_WARPS][QROWS], merge_l[DECODE_WARPS][QROWS];
   __shared__ uint2 query_frags[NB][S::KSTEPS][WARP];       // the B fragments, the same in every warp
@@ -949,7 +1011,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
     const int q_head = head * p.group + (valid ? row % p.group : 0);
     const T* src = static_cast<const T*>(p.query) + (q_start + token) * p.q_token_stride + q_head * p.q_head_stride;
     // The lane's channels in the order of its K bytes: its pieces.
-    using L = DecodeSlot<D, FP8>;
+    using L = DecodeSlot<D, KEYS>;
     constexpr int PIECE = L::PIECE_CHANNELS;
     float q[D / 4], amax = 0.0f;
 #pragma unroll
@@ -966,7 +1028,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
     if (amax > 0.0f) frexpf(amax, &exponent);
     const int shift = min(127, 15 - exponent);
     const float up = ldexpf(1.0f, shift);
-    const float own_scale = p.logit_scale * __ldg(p.k_scale) * (FP8 ? 1.0f : CODE_UNIT) * ldexpf(1.0f, -shift);
+    const float own_scale = p.logit_scale * __ldg(p.k_scale) * (S::BYTE_KEYS ? 1.0f : CODE_UNIT) * ldexpf(1.0f, -shift);
 #pragma unroll
     for (int j = 0; j < S::KSTEPS; ++j) {
       const int base = 8 * (j >> 1) + 2 * (j & 1);
@@ -991,8 +1053,11 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
   // Keys every row of the request sees: from the last query's window start to the first query's position.
   const int all_lo = p.sliding_window > 0 ? seq_len - p.sliding_window : 0;
   const int all_hi = p.causal ? first_query_pos + 1 : seq_len;
+  // INT8 keys: an entry of the parity of this lane's keys, which picks the half of each copied scale word (the entries
+  // of keys σ(g) + 2r of runs at even block offsets differ by even numbers).
+  const int scale_entry = run_entry(p, sigma, head);
 
-  using L = DecodeSlot<D, FP8>;
+  using L = DecodeSlot<D, KEYS>;
   auto attend = [&](const uint8_t* slot, int chunk_start) {
     float s[2][NB][4];
 #pragma unroll
@@ -1006,12 +1071,12 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
         for (int piece = 0; piece < L::K_PIECES; ++piece)
           read_own<L::K_PIECE>(&k[r][piece * L::K_PIECE / 4],
                                slot + L::K_DATA + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane) * L::K_PIECE);
-      if constexpr (FP8) {
+      if constexpr (S::BYTE_KEYS) {
 #pragma unroll
         for (int u = 0; u < S::K_WORDS / 2; ++u) {  // 8 elements: two words
           uint32_t h0[4], h1[4];                    // keys σ(g), σ(g) + 2
-          fp8_pairs(k[0][2 * u], k[0][2 * u + 1], h0);
-          fp8_pairs(k[1][2 * u], k[1][2 * u + 1], h1);
+          key_pairs<KEYS>(k[0][2 * u], k[0][2 * u + 1], h0);
+          key_pairs<KEYS>(k[1][2 * u], k[1][2 * u + 1], h1);
           const uint32_t a0[4] = {h0[0], h1[0], h0[1], h1[1]}, a1[4] = {h0[2], h1[2], h0[3], h1[3]};
 #pragma unroll
           for (int nb = 0; nb < NB; ++nb) {
@@ -1022,7 +1087,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
       } else {
         uint32_t sf[2][4];  // [key][scale byte], splatted
 #pragma unroll
-        for (int r = 0; r < 2; ++r) k_scale_splats<D, FP8>(slot, b, r, sf[r]);
+        for (int r = 0; r < 2; ++r) k_scale_splats<D, KEYS>(slot, b, r, sf[r]);
 #pragma unroll
         for (int u = 0; u < S::K_WORDS; ++u) {
           const uint32_t w0 = k[0][u], w1 = k[1][u];
@@ -1043,6 +1108,14 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
     // Online softmax (log2 domain) of rows 2t + e: this lane's keys σ(g) and σ(g) + 2 of both 16-key blocks. Only a
     // chunk that reaches outside some row's visible keys is masked (rows past the batch see zeros: never stored).
     const bool edge = chunk_start < all_lo || chunk_start + DECODE_CHUNK > all_hi;
+    float key_scale[4];  // INT8 keys: logit k's key scale (key r = k % 2 of run b = k / 2), applied in float32
+    if constexpr (KEYS == KeyFormat::Int8) {
+      uint32_t word;  // key t's, copied by this lane; its quad's lanes hold the others
+      read_own<4>(&word, slot + L::K_SCALES + lane * 4);
+      const float own = int8_key_scale(word, scale_entry);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) key_scale[k] = __shfl_sync(0xffffffffu, own, (lane & ~3) | k);
+    }
     bool rescale = false;
     float alpha[NB][2];
 #pragma unroll
@@ -1053,6 +1126,10 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
         float* row_logits[4] = {&s[0][nb][e], &s[0][nb][2 + e], &s[1][nb][e], &s[1][nb][2 + e]};
 #pragma unroll
         for (int k = 0; k < 4; ++k) *row_logits[k] *= row_scale[nb][e];
+        if constexpr (KEYS == KeyFormat::Int8) {
+#pragma unroll
+          for (int k = 0; k < 4; ++k) *row_logits[k] *= key_scale[k];
+        }
         if (p.soft_cap_log2 > 0.0f) {
 #pragma unroll
           for (int k = 0; k < 4; ++k) *row_logits[k] = p.soft_cap_log2 * tanhf(*row_logits[k] / p.soft_cap_log2);
@@ -1108,7 +1185,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         read_own<S::V_BYTES>(v[i], slot + L::V_DATA + ((4 * b + i) * WARP + lane) * S::V_BYTES);
-      read_v_scales<D, SWIZZLE, FP8>(v_scales, slot, b, chunk_start + 16 * b, kv_lo, seq_len);
+      read_v_scales<D, SWIZZLE, KEYS>(v_scales, slot, b, chunk_start + 16 * b, kv_lo, seq_len);
       uint32_t pb[NB][2];
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
@@ -1144,7 +1221,7 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
   // Each warp: its chunks' bytes copied into its ring of two slots one chunk ahead of their use, their blocks read
   // two chunks ahead.
   const int32_t* table_row = p.block_table + static_cast<int64_t>(request) * p.table_stride;
-  const LaneOffsets<D, SWIZZLE, FP8> offsets(p);
+  const LaneOffsets<D, SWIZZLE, KEYS> offsets(p);
   const int mine =
       chunk_begin + warp < chunk_end ? (chunk_end - chunk_begin - warp + DECODE_WARPS - 1) / DECODE_WARPS : 0;
   auto chunk_start = [&](int i) { return (chunk0 + chunk_begin + warp + i * DECODE_WARPS) * DECODE_CHUNK; };
@@ -1152,14 +1229,14 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
     return i < mine ? chunk_blocks(p, table_row, chunk_start(i), seq_len) : make_int2(-1, -1);
   };
   uint8_t* ring = decode_smem + warp * 2 * L::BYTES;
-  if (mine > 0) copy_chunk<D, SWIZZLE, FP8>(ring, p, offsets, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
+  if (mine > 0) copy_chunk<D, SWIZZLE, KEYS>(ring, p, offsets, blocks_of(0), head, chunk_start(0), kv_lo, seq_len);
   copy_commit();
   int2 next_blocks = blocks_of(1);
   for (int i = 0; i < mine; ++i) {
     const int2 later = blocks_of(i + 2);
     if (i + 1 < mine)
-      copy_chunk<D, SWIZZLE, FP8>(ring + ((i + 1) & 1) * L::BYTES, p, offsets, next_blocks, head, chunk_start(i + 1),
-                                  kv_lo, seq_len);
+      copy_chunk<D, SWIZZLE, KEYS>(ring + ((i + 1) & 1) * L::BYTES, p, offsets, next_blocks, head, chunk_start(i + 1),
+                                   kv_lo, seq_len);
     copy_commit();
     next_blocks = later;
     copy_wait<1>();  // chunk i's copies are done
@@ -1347,11 +1424,11 @@ int64_t wave_filling_splits(int64_t ctas, int64_t resident, int64_t most) {
 // The decode kernel: one CTA per (KV head, split, request). A request's splits (decode_splits) are capped by what
 // fills the GPU for this many requests, counted as the next power of two: vLLM pads a CUDA graph's batch to a
 // capture size, and its capture sizes hold every power of two, so a padded batch plans as its eager batch does.
-template <int D, int NB, bool SWIZZLE, bool FP8, typename T>
+template <int D, int NB, bool SWIZZLE, KeyFormat KEYS, typename T>
 void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
                    cudaStream_t stream) {
-  auto kernel = nvfp4_paged_decode_kernel<D, NB, SWIZZLE, FP8, T>;
-  const int smem_bytes = std::max(DECODE_WARPS * 2 * DecodeSlot<D, FP8>::BYTES,  // the rings, then merge_o
+  auto kernel = nvfp4_paged_decode_kernel<D, NB, SWIZZLE, KEYS, T>;
+  const int smem_bytes = std::max(DECODE_WARPS * 2 * DecodeSlot<D, KEYS>::BYTES,  // the rings, then merge_o
                                   DECODE_WARPS * 8 * NB * D * static_cast<int>(sizeof(float)));
   static const bool smem_set =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) == cudaSuccess;
@@ -1377,13 +1454,13 @@ void launch_decode(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t m
   if (splits > 1) launch_combine<D, T>(p, num_reqs, query.size(1), stream);
 }
 
-template <int D, int WARPS_M, bool FP8, typename T>
+template <int D, int WARPS_M, KeyFormat KEYS, typename T>
 void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
             cudaStream_t stream) {
-  using G = Tiles<D, FP8>;
-  auto kernel = nvfp4_paged_attention_kernel<D, WARPS_M, FP8, T>;
+  using G = Tiles<D, KEYS>;
+  auto kernel = nvfp4_paged_attention_kernel<D, WARPS_M, KEYS, T>;
   const int smem_bytes = G::STAGES * G::STAGE_BYTES;
-  if (smem_bytes > 48 * 1024) {  // FP8 keys at head 256
+  if (smem_bytes > 48 * 1024) {  // FP8 and INT8 keys at head 256
     static const bool smem_set =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes) == cudaSuccess;
     NVFP4_CHECK(smem_set, "nvfp4_paged_attention: cannot reserve the kernel's shared memory");
@@ -1413,23 +1490,23 @@ void launch(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_
 
 // The decode kernel reads 16-key runs that never cross a block, so block sizes that are not a multiple of 16 run
 // the fused kernel.
-template <int D, bool FP8, typename T>
+template <int D, KeyFormat KEYS, typename T>
 void dispatch_rows(Params& p, int64_t num_reqs, int64_t max_query_len, int64_t max_seq_len, const Tensor& query,
                    cudaStream_t stream) {
   const int64_t rows = max_query_len * p.group;
   const bool swizzle = p.layout.swizzle_v_scales;
   if (p.layout.block_size % 16 == 0) {
     if (rows <= 8)
-      return swizzle ? launch_decode<D, 1, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream)
-                     : launch_decode<D, 1, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
+      return swizzle ? launch_decode<D, 1, true, KEYS, T>(p, num_reqs, max_query_len, max_seq_len, query, stream)
+                     : launch_decode<D, 1, false, KEYS, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
     if (rows <= 16)
-      return swizzle ? launch_decode<D, 2, true, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream)
-                     : launch_decode<D, 2, false, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
+      return swizzle ? launch_decode<D, 2, true, KEYS, T>(p, num_reqs, max_query_len, max_seq_len, query, stream)
+                     : launch_decode<D, 2, false, KEYS, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
   }
   if (rows <= 32)
-    launch<D, 2, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
+    launch<D, 2, KEYS, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
   else
-    launch<D, 4, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
+    launch<D, 4, KEYS, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
 }
 
 void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
@@ -1473,25 +1550,27 @@ void nvfp4_paged_attention_cuda(const Tensor& query, const Tensor& key_cache, co
   p.out_head_stride = out.stride(1);
   p.num_tokens = query.size(0);
   const cudaStream_t stream = current_stream(query);
-  auto by_type = [&](auto tag, auto fp8) {
+  auto by_type = [&](auto tag, auto keys) {
     using T = decltype(tag);
-    constexpr bool FP8 = decltype(fp8)::value;
+    constexpr KeyFormat KEYS = decltype(keys)::value;
     switch (layout.head_size) {
       case 64:
-        dispatch_rows<64, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
+        dispatch_rows<64, KEYS, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
         break;
       case 128:
-        dispatch_rows<128, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
+        dispatch_rows<128, KEYS, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
         break;
       default:
-        dispatch_rows<256, FP8, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
+        dispatch_rows<256, KEYS, T>(p, num_reqs, max_query_len, max_seq_len, query, stream);
     }
   };
   auto by_keys = [&](auto tag) {
     if (layout.fp8_keys())
-      by_type(tag, std::true_type{});
+      by_type(tag, std::integral_constant<KeyFormat, KeyFormat::Fp8>{});
+    else if (layout.int8_keys())
+      by_type(tag, std::integral_constant<KeyFormat, KeyFormat::Int8>{});
     else
-      by_type(tag, std::false_type{});
+      by_type(tag, std::integral_constant<KeyFormat, KeyFormat::Nvfp4>{});
   };
   if (query.scalar_type() == ScalarType::BFloat16)
     by_keys(__nv_bfloat16{});

@@ -129,6 +129,10 @@ class FlashInferNVFP4Decoder:
         if self._planned is None:
             raise RuntimeError("FlashInferNVFP4Decoder.run called before plan")
         num_decodes, num_q_heads, num_kv_heads, head_size, block_size, q_dtype = self._planned
+        if key_cache.shape != value_cache.shape:  # an FP8- or INT8-key page
+            key_format = NVFP4PageLayout.from_caches(key_cache, value_cache).key_format
+            raise ValueError(f"FlashInfer fa2 reads NVFP4 keys only, got {key_format.upper()} keys (decode them with the "
+                             f"plugin's kernel)")
         layout = NVFP4PageLayout.from_side_cache(key_cache)
         if (layout.head_size, layout.block_size, layout.num_heads) != (head_size, block_size, num_kv_heads):
             raise ValueError(f"key_cache holds head_size {layout.head_size}, block_size {layout.block_size}, "

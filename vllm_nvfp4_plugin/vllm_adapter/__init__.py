@@ -29,7 +29,7 @@ def register_all() -> None:
 
 
 def register_kv_cache_dtypes() -> None:
-    """`--kv-cache-dtype nvfp4_k8v4` (FP8 keys, NVFP4 values) and `nvfp4_ki8v4` (INT8 keys, NVFP4 values; CPU only)
+    """`--kv-cache-dtype nvfp4_k8v4` (FP8 keys, NVFP4 values) and `nvfp4_ki8v4` (INT8 keys, NVFP4 values)
     through vLLM's `register_kv_cache_dtype` (0.33): uint8 caches of vLLM's NVFP4 quant mode, so vLLM hands their
     specs to the plugin's backends. vLLM 0.32 has no such hook; there the pages are `--kv-cache-dtype nvfp4` with the
     `key_format` option."""

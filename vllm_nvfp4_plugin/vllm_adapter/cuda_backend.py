@@ -44,8 +44,7 @@ from ..attention.flashinfer_reader import (CUDA_READERS, SWIZZLE_V_SCALES, CudaB
                                            FlashInferNVFP4Decoder, KernelBatch, cuda_paged_attention,
                                            dequant_prefill_unavailable_reason, flashinfer_decode_unavailable_reason,
                                            plan_batch, plan_kernel_batch)
-from .spec import (HND_LAYOUTS, INT8_KEYS_KV_CACHE_DTYPE, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec,
-                   spec_has_fp8_keys)
+from .spec import HND_LAYOUTS, NHD_LAYOUTS, NVFP4_KV_CACHE_DTYPES, customize_nvfp4_spec, spec_key_format
 from .common import (LayerKVPolicy, LayerPolicyOwner, PageSidesOwner, check_nvfp4_layer, core_metadata,
                      current_max_model_len, effective_sliding_window, engine_key_format, engine_kv_calibration)
 
@@ -121,8 +120,6 @@ class NVFP4CudaBackend(AttentionBackend):
                              use_mm_prefix, device_capability) -> str | None:
         if kv_cache_dtype not in NVFP4_KV_CACHE_DTYPES:
             return f"the CUSTOM (vllm_nvfp4_plugin) backend needs kv_cache_dtype in {NVFP4_KV_CACHE_DTYPES}, got {kv_cache_dtype!r}"
-        if kv_cache_dtype == INT8_KEYS_KV_CACHE_DTYPE:
-            return f"kv_cache_dtype {kv_cache_dtype!r}: int8 keys are served on CPU only"
         return None
 
     @classmethod
@@ -173,10 +170,11 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
             logger.info_once("vllm_nvfp4_plugin: layers %s use a sliding window, soft-cap or sinks: decode and "
                              "prefill through the plugin's CUDA kernel", ", ".join(layer_names))
             return
-        if self._reader == "fa2" and spec_has_fp8_keys(kv_cache_spec):
+        key_format = spec_key_format(kv_cache_spec)
+        if self._reader == "fa2" and key_format != "nvfp4":
             self._reader = "plugin"
-            logger.info_once("vllm_nvfp4_plugin: FP8 keys: decode through the plugin's CUDA kernel (FlashInfer reads "
-                             "NVFP4 keys only)")
+            logger.info_once("vllm_nvfp4_plugin: %s keys: decode through the plugin's CUDA kernel (FlashInfer reads "
+                             "NVFP4 keys only)", key_format.upper())
         fa2_reason = flashinfer_decode_unavailable_reason(kv_cache_spec.head_size, device)
         prefill_reason = dequant_prefill_unavailable_reason(kv_cache_spec.head_size, device)
         needs_params = (self._reader == "fa2" and fa2_reason is None) or prefill_reason is None
@@ -255,10 +253,7 @@ class NVFP4CudaImpl(LayerPolicyOwner, PageSidesOwner,
         self.calibration = engine_kv_calibration()  # raises here, at engine start, on a file that does not fit
         self.policy: LayerKVPolicy | None = None  # resolved from the layer's name at its first step
         key_format = engine_key_format()  # read here, with the config current, for customize_spec
-        if key_format == "int8":
-            raise NotImplementedError("vllm_nvfp4_plugin: int8 keys are served on CPU only; on CUDA use key_format "
-                                      "'nvfp4' or 'fp8'")
-        keys = "FP8 E4M3" if key_format == "fp8" else "NVFP4"
+        keys = {"nvfp4": "NVFP4", "fp8": "FP8 E4M3", "int8": "INT8"}[key_format]
         logger.info_once("vllm_nvfp4_plugin: NVFP4 KV cache attention on CUDA, %s keys (head size %d, %d query / %d "
                          "KV heads)", keys, head_size, num_heads, num_kv_heads)
 

@@ -26,7 +26,7 @@ NVFP4_4OVER6_KV_CACHE_DTYPE = "nvfp4_4over6"
 # FP8 E4M3 keys and NVFP4 values: a name the plugin registers where vLLM has `register_kv_cache_dtype` (0.33); on
 # 0.32 the same page is "nvfp4" with the key_format option.
 FP8_KEYS_KV_CACHE_DTYPE = "nvfp4_k8v4"
-# INT8 keys (one fp16 scale per token and head) and NVFP4 values, the same way; CPU backend only.
+# INT8 keys (one fp16 scale per token and head) and NVFP4 values, the same way.
 INT8_KEYS_KV_CACHE_DTYPE = "nvfp4_ki8v4"
 # The key format each plugin-registered name fixes.
 KEY_FORMAT_OF_KV_CACHE_DTYPE = {FP8_KEYS_KV_CACHE_DTYPE: "fp8", INT8_KEYS_KV_CACHE_DTYPE: "int8"}
@@ -68,6 +68,17 @@ def spec_has_fp8_keys(spec: AttentionSpec) -> bool:
     bytes)."""
     return (spec.state_content_bytes is not None and spec.num_head_slots == spec.num_kv_heads
             and spec.state_content_bytes * 16 == spec.head_size * 25)
+
+
+def spec_key_format(spec: AttentionSpec) -> str:
+    """The key format `customize_nvfp4_spec` packed `spec` with: "fp8", "int8" (one head slot per KV head of head ·
+    25/16 + 2 bytes) or "nvfp4"."""
+    if spec_has_fp8_keys(spec):
+        return "fp8"
+    if (spec.state_content_bytes is not None and spec.num_head_slots == spec.num_kv_heads
+            and (spec.state_content_bytes - INT8_KEY_SCALE_BYTES) * 16 == spec.head_size * 25):
+        return "int8"
+    return "nvfp4"
 
 
 def page_view(kv_cache: torch.Tensor, num_kv_heads: int):
