@@ -19,28 +19,22 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vllm_nvfp4_plugin import reference
-from vllm_nvfp4_plugin.tools.calibrate import gsm8k_prompts
+from vllm_nvfp4_plugin.tools.calibrate import gsm8k_prompts, restore, restore_fp8, restore_int8
 
 
 def exact(x):
     return x
 
 
-def nvfp4(x):
-    return reference.nvfp4_decode(*reference.nvfp4_encode(x, 1.0), 1.0, x.dtype)
+def in_dtype(round_trip):
+    """The round trip, given back in its input's dtype (attention keeps the model's)."""
+    return lambda x: round_trip(x).to(x.dtype)
 
 
-def nvfp4_4over6(x):
-    return reference.nvfp4_decode(*reference.nvfp4_encode(x, 1.0, four_over_six=True), 1.0, x.dtype)
-
-
-def fp8(x):
-    return reference.fp8_key_decode(reference.fp8_key_encode(x, 1.0), 1.0, x.dtype)
-
-
-def int8(x):
-    return reference.int8_key_decode(*reference.int8_key_encode(x, 1.0), 1.0, x.dtype)
+nvfp4 = in_dtype(lambda x: restore(x, False))
+nvfp4_4over6 = in_dtype(lambda x: restore(x, True))
+fp8 = in_dtype(restore_fp8)
+int8 = in_dtype(restore_int8)
 
 
 # name: (key round trip, value round trip); attention sees K and V as [batch, heads, tokens, head_size].
