@@ -17,14 +17,19 @@ the N of them in a row, as a decode step runs a model's layers (so one layer's c
 caches when its turn comes again); a figure is then that time / N. GB/s is the bytes of cache each one reads, per second. The cache holds random values:
 the time of none of the kernels depends on them.
 
+With `--avx2-host` both sides run as on an x86 CPU without AVX-512: the plugin's AVX2 variant
+(`VLLM_NVFP4_CPU_ISA=avx2`) and the kernel library vLLM loads on such a CPU (`vllm._C_AVX2`, chosen by making torch
+report no AVX-512 before vLLM loads its kernels; vLLM then refuses its fp8 cache, as it does there).
+
 Options: `--batches 1 8`, `--contexts 2048 8192 32768`, `--heads 32/8`, `--head-size 128`, `--threads N` (default:
-torch's), `--repeats N` (default 9), `--layers N` (default 1), `--prefill`, `--append FILE.md` (appends the table with commit,
+torch's), `--avx2-host`, `--repeats N` (default 9), `--layers N` (default 1), `--prefill`, `--append FILE.md` (appends the table with commit,
 machine and date), `--note TEXT`.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -119,7 +124,12 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="L causal query rows a request instead of one")
     parser.add_argument("--append", help="append the table to this markdown file")
     parser.add_argument("--note", help="a line added under the table")
+    parser.add_argument("--avx2-host", action="store_true",
+                        help="the plugin's AVX2 variant against vLLM's AVX2 kernel library")
     args = parser.parse_args()
+    if args.avx2_host:
+        os.environ["VLLM_NVFP4_CPU_ISA"] = "avx2"  # read when the plugin's first kernel runs
+        torch.cpu._is_avx512_supported = lambda: False  # vLLM's CPU platform then loads vllm._C_AVX2
     torch.set_num_threads(args.threads)
 
     q_heads, kv_heads = (int(n) for n in args.heads.split("/"))
@@ -163,7 +173,8 @@ def main() -> None:
         return f"{ms[name] / ms['nvfp4']:.2f}×" if name in ms else "n/a"
 
     lines = [
-        f"{stamp()}; {args.threads} threads; {'causal prefill' if args.prefill else 'decode'}, {q_heads} query / {kv_heads} KV heads, head {args.head_size}, "
+        f"{stamp()}; {args.threads} threads; {'AVX2 variants (plugin and vLLM); ' if args.avx2_host else ''}"
+        f"{'causal prefill' if args.prefill else 'decode'}, {q_heads} query / {kv_heads} KV heads, head {args.head_size}, "
         f"block {BLOCK_SIZE}; median of {args.repeats}"
         + (f", {args.layers} layers' caches in a row, times a layer" if args.layers > 1 else ""),
         "",

@@ -64,8 +64,10 @@ namespace vllm_nvfp4 {
 namespace {
 
 using simd::f32x16;
+using simd::f32x8;
 using simd::i32x16;
 using simd::u32x16;
+using simd::u32x8;
 using torch::headeronly::ScalarType;
 
 constexpr int TILE = 16;            // keys a tile holds, one per vector lane
@@ -209,6 +211,16 @@ NVFP4_INLINE f32x16 broadcast(float x) {
   const f32x16 v = {x};
   return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
 }
+// x in every lane of a 16- or 8-lane vector (a constant folds; a variable takes a broadcast of its width).
+template <typename V>
+NVFP4_INLINE V splat(float x) {
+  if constexpr (sizeof(V) == sizeof(f32x16)) {
+    return broadcast(x);
+  } else {
+    const f32x8 v = {x};
+    return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
+  }
+}
 NVFP4_INLINE u32x16 broadcast_word(uint32_t x) {
   const u32x16 v = {x};
   return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -221,6 +233,14 @@ struct Fma {
   static inline f32x16 apply(f32x16 a, f32x16 b, f32x16 c) { return a * b + c; }
 };
 #if NVFP4_X86
+template <>
+struct Fma<Isa::Avx2> {  // 8-lane vectors: fused
+  static inline f32x16 apply(f32x16 a, f32x16 b, f32x16 c) { return a * b + c; }
+  NVFP4_TARGET_AVX2 static inline f32x8 apply(f32x8 a, f32x8 b, f32x8 c) {
+    return __builtin_bit_cast(f32x8, _mm256_fmadd_ps(__builtin_bit_cast(__m256, a), __builtin_bit_cast(__m256, b),
+                                                     __builtin_bit_cast(__m256, c)));
+  }
+};
 template <>
 struct Fma<Isa::Avx512> {
   NVFP4_TARGET_AVX512 static inline f32x16 apply(f32x16 a, f32x16 b, f32x16 c) {
@@ -312,23 +332,26 @@ NVFP4_INLINE f32x16 e2m1_values(u32x16 codes) {
 }
 
 // exp(x) for x <= 0 (Cephes' expf: x = n·ln 2 + r, |r| <= ln2 / 2, a degree-7 polynomial, times 2^n), within
-// 2 ulp; below -87 it returns exp(-87) instead of a denormal or 0 (callers mask the lanes that must be 0).
-template <Isa I>
-inline f32x16 exp_nonpositive(f32x16 x) {
+// 2 ulp; below -87 it returns exp(-87) instead of a denormal or 0 (callers mask the lanes that must be 0). 16 lanes,
+// or 8 (the AVX2 tile code).
+template <Isa I, typename V>
+inline V exp_nonpositive(V x) {
   using F = Fma<I>;
-  x = simd::max(x, broadcast(-87.0f));
-  const f32x16 round = broadcast(12582912.0f);  // 1.5 · 2^23: adding it rounds to an integer
-  const f32x16 n = (x * 1.44269504088896341f + round) - round;
-  f32x16 r = F::apply(n, broadcast(-0.693359375f), x);  // ln 2 in two parts: n · ln2_hi is exact
-  r = F::apply(n, broadcast(2.12194440e-4f), r);
-  f32x16 y = broadcast(1.9875691500e-4f);
-  y = F::apply(y, r, broadcast(1.3981999507e-3f));
-  y = F::apply(y, r, broadcast(8.3334519073e-3f));
-  y = F::apply(y, r, broadcast(4.1665795894e-2f));
-  y = F::apply(y, r, broadcast(1.6666665459e-1f));
-  y = F::apply(y, r, broadcast(5.0000001201e-1f));
+  using U = decltype(simd::as_u32(x));
+  using S = decltype(simd::as_i32(U{}));
+  x = simd::max(x, splat<V>(-87.0f));
+  const V round = splat<V>(12582912.0f);  // 1.5 · 2^23: adding it rounds to an integer
+  const V n = (x * 1.44269504088896341f + round) - round;
+  V r = F::apply(n, splat<V>(-0.693359375f), x);  // ln 2 in two parts: n · ln2_hi is exact
+  r = F::apply(n, splat<V>(2.12194440e-4f), r);
+  V y = splat<V>(1.9875691500e-4f);
+  y = F::apply(y, r, splat<V>(1.3981999507e-3f));
+  y = F::apply(y, r, splat<V>(8.3334519073e-3f));
+  y = F::apply(y, r, splat<V>(4.1665795894e-2f));
+  y = F::apply(y, r, splat<V>(1.6666665459e-1f));
+  y = F::apply(y, r, splat<V>(5.0000001201e-1f));
   y = F::apply(y, r * r, r + 1.0f);
-  const u32x16 scale = __builtin_convertvector(__builtin_convertvector(n, i32x16) + 127, u32x16) << 23;
+  const U scale = __builtin_convertvector(__builtin_convertvector(n, S) + 127, U) << 23;
   return y * simd::as_f32(scale);
 }
 
@@ -339,24 +362,25 @@ inline float exp_nonpositive(float x) {
 
 // cap · tanh(s · inverse_cap), tanh as Cephes' tanhf: an odd polynomial below |x| = 0.625, where 1 - 2 / (e^2|x| + 1)
 // would lose bits, that formula above it (through e^-2|x|, which stays in exp_nonpositive's range); the sign put back.
-template <Isa I>
-inline f32x16 soft_cap(f32x16 s, float cap, float inverse_cap) {
+template <Isa I, typename V>
+inline V soft_cap(V s, float cap, float inverse_cap) {
   using F = Fma<I>;
-  const f32x16 x = s * inverse_cap;
-  const u32x16 sign = simd::as_u32(x) & 0x80000000u;
-  const f32x16 a = simd::as_f32(simd::as_u32(x) & 0x7FFFFFFFu);
-  const f32x16 z = a * a;
-  f32x16 y = F::apply(broadcast(-5.70498872745e-3f), z, broadcast(2.06390887954e-2f));
-  y = F::apply(y, z, broadcast(-5.37397155531e-2f));
-  y = F::apply(y, z, broadcast(1.33314422036e-1f));
-  y = F::apply(y, z, broadcast(-3.33332819422e-1f));
-  const f32x16 small = F::apply(y * z, a, a);
-  const f32x16 e = exp_nonpositive<I>(a * -2.0f);
-  const f32x16 large = 1.0f - (e + e) / (1.0f + e);
+  using U = decltype(simd::as_u32(s));
+  const V x = s * inverse_cap;
+  const U sign = simd::as_u32(x) & 0x80000000u;
+  const V a = simd::as_f32(simd::as_u32(x) & 0x7FFFFFFFu);
+  const V z = a * a;
+  V y = F::apply(splat<V>(-5.70498872745e-3f), z, splat<V>(2.06390887954e-2f));
+  y = F::apply(y, z, splat<V>(-5.37397155531e-2f));
+  y = F::apply(y, z, splat<V>(1.33314422036e-1f));
+  y = F::apply(y, z, splat<V>(-3.33332819422e-1f));
+  const V small = F::apply(y * z, a, a);
+  const V e = exp_nonpositive<I>(a * -2.0f);
+  const V large = 1.0f - (e + e) / (1.0f + e);
   // non-negative floats compare like their bits
-  const u32x16 t =
-      simd::where_greater<I >= Isa::Avx512>(simd::as_i32(simd::as_u32(broadcast(0.625f))),
-                                            simd::as_i32(simd::as_u32(a)), simd::as_u32(small), simd::as_u32(large));
+  constexpr bool native = I >= Isa::Avx512 || sizeof(V) == sizeof(f32x8);
+  const U t = simd::where_greater<native>(simd::as_i32(simd::as_u32(splat<V>(0.625f))), simd::as_i32(simd::as_u32(a)),
+                                          simd::as_u32(small), simd::as_u32(large));
   return simd::as_f32(t | sign) * cap;
 }
 
@@ -801,6 +825,262 @@ NVFP4_INLINE void tile_values(const TileTokens& t, const float* probs, const flo
     for (int c = 0; c < D / 16; ++c) store(sum[c], acc + 16 * c);
   }
 }
+
+#if NVFP4_X86
+// --- AVX2: a tile as two halves of 8 lanes --------------------------------------------------------------------
+// Where the target has no 64-byte registers GCC keeps 64-byte vectors in memory, so on AVX2 each 16-lane operation
+// of the code above goes through the stack (decode ran 15x slower than AVX-512). The AVX2 variant runs a tile's
+// steps on its two halves of 8 keys instead, in 32-byte vectors that stay in registers, with fused multiply-adds.
+// Keys are decoded with their scales applied (e2m1 · SF, an INT8 code times its fp16 scale: exact in float32), so a
+// score is one multiply-add chain a (pair, half). Values are e2m1 · SF from SCALED_E2M1's rows, as the AVX-512
+// code takes them: a permute of the row's first 8 entries, the code's sign put back.
+struct Avx2 {
+  NVFP4_TARGET_AVX2 static inline f32x8 load(const float* p) {
+    f32x8 v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  NVFP4_TARGET_AVX2 static inline void store(f32x8 v, float* p) { std::memcpy(p, &v, sizeof v); }
+  NVFP4_TARGET_AVX2 static inline f32x8 fma(f32x8 a, f32x8 b, f32x8 c) { return Fma<Isa::Avx2>::apply(a, b, c); }
+  NVFP4_TARGET_AVX2 static inline u32x8 lane_mask(int n, int half) {
+    u32x8 m;
+    std::memcpy(&m, reinterpret_cast<const char*>(&LANE_MASKS.mask[n]) + sizeof m * half, sizeof m);
+    return m;
+  }
+
+  // rows[i] = the 8 words at rows_of(i), transposed: word w of the 8 rows is rows[w]. Rows that rows_of gives as
+  // null are zero.
+  template <typename RowsOf>
+  NVFP4_TARGET_AVX2 static inline void transposed_words(RowsOf rows_of, u32x8 (&rows)[8]) {
+    __m256i m[8], t[8];
+    for (int i = 0; i < 8; ++i) {
+      const uint8_t* row = rows_of(i);
+      m[i] = row ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)) : _mm256_setzero_si256();
+    }
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_epi32(m[i], m[i + 1]);  // words 0 1 4 5 of rows i, i + 1, interleaved
+      t[i + 1] = _mm256_unpackhi_epi32(m[i], m[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      m[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);  // word 0 (4) of rows i..i + 3
+      m[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+      m[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+      m[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      rows[i] = __builtin_bit_cast(u32x8, _mm256_permute2x128_si256(m[i], m[i + 4], 0x20));
+      rows[i + 4] = __builtin_bit_cast(u32x8, _mm256_permute2x128_si256(m[i], m[i + 4], 0x31));
+    }
+  }
+
+  // The E2M1 values (from `table`'s 8 magnitudes) of the codes in bits [shift, shift + 4) of each lane.
+  NVFP4_TARGET_AVX2 static inline f32x8 e2m1(__m256 table, u32x8 words, int shift) {
+    const __m256 magnitude = _mm256_permutevar8x32_ps(table, __builtin_bit_cast(__m256i, words >> shift));
+    return simd::as_f32(simd::as_u32(__builtin_bit_cast(f32x8, magnitude)) ^ ((words << (28 - shift)) & 0x80000000u));
+  }
+
+  // keys[d][j] = dimension d of key j with its scale applied (0 in lanes outside [first, n)). `KeyFormat` as the
+  // page's: NVFP4 codes, FP8 E4M3 bytes or INT8 codes with an fp16 scale a key.
+  template <int D, KeyFormat FORMAT>
+  NVFP4_TARGET_AVX2 static inline void decode_keys(const TileTokens& t, float* keys) {
+    constexpr int SCALES = FORMAT == KeyFormat::Nvfp4 ? D / NVFP4_GROUP : 1;
+    alignas(32) float scale[SCALES][TILE] = {};
+    for (int j = t.first; j < t.n; ++j)
+      for (int s = 0; s < SCALES; ++s) {
+        if constexpr (FORMAT == KeyFormat::Nvfp4) {
+          scale[s][j] = E4M3.value[t.key_scales[j][s]];
+        } else if constexpr (FORMAT == KeyFormat::Int8) {
+          c10::Half h;
+          std::memcpy(&h, t.key_scales[j], sizeof h);
+          scale[s][j] = static_cast<float>(h);
+        }
+      }
+    constexpr int ROW_BYTES = FORMAT == KeyFormat::Nvfp4 ? D / 2 : D;
+    constexpr int PER_WORD = FORMAT == KeyFormat::Nvfp4 ? 8 : 4;  // dimensions a 32-bit word holds
+    const __m256 e2m1_table = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+    for (int half = 0; half < 2; ++half)
+      for (int offset = 0; offset < ROW_BYTES; offset += 32) {
+        u32x8 words[8];
+        transposed_words(
+            [&](int i) {
+              const int j = 8 * half + i;
+              return t.first <= j && j < t.n ? t.key_data[j] + offset : nullptr;
+            },
+            words);
+        for (int w = 0; w < 8; ++w)
+          for (int e = 0; e < PER_WORD; ++e) {
+            const int d = (offset / 4 + w) * PER_WORD + e;
+            f32x8 v;
+            if constexpr (FORMAT == KeyFormat::Nvfp4)
+              v = e2m1(e2m1_table, words[w], 4 * e) * load(scale[d / NVFP4_GROUP] + 8 * half);
+            else if constexpr (FORMAT == KeyFormat::Fp8)
+              v = simd::e4m3_decode<true>((words[w] >> (8 * e)) & 0xFFu);
+            else
+              v = __builtin_convertvector(simd::as_i32(words[w] << (24 - 8 * e)) >> 24, f32x8) *
+                  load(scale[0] + 8 * half);
+            store(v, keys + d * TILE + 8 * half);
+          }
+      }
+  }
+
+  // Scores of COUNT pairs (queries q [COUNT][D]) for the tile's keys.
+  template <int D, int COUNT>
+  NVFP4_TARGET_AVX2 static inline void pair_scores(const float* q, const float* keys, float* out) {
+    f32x8 score[COUNT][2] = {};
+    for (int d = 0; d < D; ++d) {
+      const f32x8 low = load(keys + d * TILE), high = load(keys + d * TILE + 8);
+      for (int i = 0; i < COUNT; ++i) {
+        const f32x8 qd = splat<f32x8>(q[i * D + d]);
+        score[i][0] = fma(qd, low, score[i][0]);
+        score[i][1] = fma(qd, high, score[i][1]);
+      }
+    }
+    for (int i = 0; i < COUNT; ++i) {
+      store(score[i][0], out + i * TILE);
+      store(score[i][1], out + i * TILE + 8);
+    }
+  }
+
+  template <int D>
+  NVFP4_TARGET_AVX2 static inline void tile_scores(const Scratch& scratch, int64_t first, int64_t last) {
+    const float* q = scratch.q.get();
+    const float* keys = scratch.keys.get();
+    float* out = scratch.probs.get();
+    int64_t p = first;
+    for (; p + 4 <= last; p += 4) pair_scores<D, 4>(q + p * D, keys, out + p * TILE);
+    if (last - p == 3) pair_scores<D, 3>(q + p * D, keys, out + p * TILE);
+    if (last - p == 2) pair_scores<D, 2>(q + p * D, keys, out + p * TILE);
+    if (last - p == 1) pair_scores<D, 1>(q + p * D, keys, out + p * TILE);
+  }
+
+  // attend_split_impl's online softmax step for pairs [first, last), on halves.
+  NVFP4_TARGET_AVX2 static inline void probabilities(const Batch& b, const Unit& u, int64_t key0, int64_t key_end,
+                                                     int64_t first, int64_t last, Scratch& scratch, State& st) {
+    const float inverse_cap = b.soft_cap > 0.0f ? 1.0f / b.soft_cap : 0.0f;
+    for (int64_t p = first; p < last; ++p) {
+      const int64_t row = p / b.group;
+      const int seen_begin = static_cast<int>(std::clamp<int64_t>(u.visible_begin(b, row) - key0, 0, TILE));
+      const int seen_end =
+          static_cast<int>(std::clamp<int64_t>(std::min<int64_t>(u.visible_end(b, row), key_end) - key0, 0, TILE));
+      float* prob = scratch.probs.get() + p * TILE;
+      u32x8 mask[2];
+      f32x8 scores[2];
+      for (int h = 0; h < 2; ++h) {
+        mask[h] = lane_mask(seen_end, h) & ~lane_mask(seen_begin, h);
+        f32x8 logits = load(prob + 8 * h) * b.score_scale;
+        if (b.soft_cap > 0.0f) logits = soft_cap<Isa::Avx2>(logits, b.soft_cap, inverse_cap);
+        scores[h] = simd::as_f32(simd::select(mask[h], simd::as_u32(logits), simd::as_u32(splat<f32x8>(NEG_INF))));
+      }
+      f32x8 top = simd::max(scores[0], scores[1]);
+      top = simd::max(top, __builtin_shufflevector(top, top, 4, 5, 6, 7, 0, 1, 2, 3));
+      top = simd::max(top, __builtin_shufflevector(top, top, 2, 3, 0, 1, 6, 7, 4, 5));
+      const float m = std::max(st.m[p], simd::max(top, __builtin_shufflevector(top, top, 1, 0, 3, 2, 5, 4, 7, 6))[0]);
+      float alpha = 1.0f;
+      if (m > st.m[p]) {
+        alpha = exp_nonpositive<Isa::Avx2>(splat<f32x8>(st.m[p] - m))[0];
+        st.m[p] = m;
+      }
+      f32x8 probs[2];
+      for (int h = 0; h < 2; ++h) {
+        probs[h] = simd::as_f32(simd::as_u32(exp_nonpositive<Isa::Avx2>(scores[h] - m)) & mask[h]);
+        store(probs[h], prob + 8 * h);
+      }
+      f32x8 sum = probs[0] + probs[1];  // lanes_sum's order
+      sum += __builtin_shufflevector(sum, sum, 4, 5, 6, 7, 0, 1, 2, 3);
+      sum += __builtin_shufflevector(sum, sum, 2, 3, 0, 1, 6, 7, 4, 5);
+      st.l[p] = st.l[p] * alpha + (sum + __builtin_shufflevector(sum, sum, 1, 0, 3, 2, 5, 4, 7, 6))[0];
+      scratch.alpha[p] = alpha;
+    }
+  }
+
+  // decode_value_pair's half g (lanes 8g..8g + 7) of dimensions 32c..32c+31 of key j: even[g] and odd[g].
+  NVFP4_TARGET_AVX2 static inline void value_half(const TileTokens& t, int j, int c, int g, f32x8& even, f32x8& odd) {
+    const __m256 row = _mm256_load_ps(SCALED_E2M1.row[t.value_scales[j][t.value_delta[j][2 * c + g]]]);
+    const u32x8 codes = __builtin_bit_cast(
+        u32x8,
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(t.value_data[j] + 16 * c + 8 * g))));
+    even = e2m1(row, codes, 0);
+    odd = e2m1(row, codes, 4);
+  }
+
+  // tile_values: few pairs decode each value half straight into their sums, many decode the tile's rows once.
+  template <int D, int COUNT>
+  NVFP4_TARGET_AVX2 static inline void pair_values(const TileTokens& t, const float* probs, const float* alpha,
+                                                   float* sums) {
+    for (int c = 0; c < D / 32; ++c)
+      for (int g = 0; g < 2; ++g) {
+        f32x8 even[COUNT], odd[COUNT];
+        for (int i = 0; i < COUNT; ++i) {
+          even[i] = load(sums + i * D + 32 * c + 8 * g) * alpha[i];
+          odd[i] = load(sums + i * D + 32 * c + 16 + 8 * g) * alpha[i];
+        }
+        for (int j = t.first; j < t.n; ++j) {
+          f32x8 e, o;
+          value_half(t, j, c, g, e, o);
+          for (int i = 0; i < COUNT; ++i) {
+            const f32x8 pj = splat<f32x8>(probs[i * TILE + j]);
+            even[i] = fma(pj, e, even[i]);
+            odd[i] = fma(pj, o, odd[i]);
+          }
+        }
+        for (int i = 0; i < COUNT; ++i) {
+          store(even[i], sums + i * D + 32 * c + 8 * g);
+          store(odd[i], sums + i * D + 32 * c + 16 + 8 * g);
+        }
+      }
+  }
+
+  template <int D>
+  NVFP4_TARGET_AVX2 static inline void tile_values(const TileTokens& t, const float* probs, const float* alpha,
+                                                   int64_t first, int64_t last, float* values, float* sums) {
+    if (last - first <= 8) {
+      int64_t p = first;
+      for (; p + 4 <= last; p += 4) pair_values<D, 4>(t, probs + p * TILE, alpha + p, sums + p * D);
+      if (last - p == 3) pair_values<D, 3>(t, probs + p * TILE, alpha + p, sums + p * D);
+      if (last - p == 2) pair_values<D, 2>(t, probs + p * TILE, alpha + p, sums + p * D);
+      if (last - p == 1) pair_values<D, 1>(t, probs + p * TILE, alpha + p, sums + p * D);
+      return;
+    }
+    for (int j = t.first; j < t.n; ++j)
+      for (int c = 0; c < D / 32; ++c)
+        for (int g = 0; g < 2; ++g) {
+          f32x8 e, o;
+          value_half(t, j, c, g, e, o);
+          store(e, values + j * D + 32 * c + 8 * g);
+          store(o, values + j * D + 32 * c + 16 + 8 * g);
+        }
+    constexpr int PART = std::min(D, 64);  // dimensions whose sums stay in registers
+    for (int64_t p = first; p < last; ++p)
+      for (int d0 = 0; d0 < D; d0 += PART) {
+        float* acc = sums + p * D + d0;
+        f32x8 sum[PART / 8];
+        for (int k = 0; k < PART / 8; ++k) sum[k] = load(acc + 8 * k) * alpha[p];
+        for (int j = t.first; j < t.n; ++j) {
+          const f32x8 pj = splat<f32x8>(probs[p * TILE + j]);
+          for (int k = 0; k < PART / 8; ++k) sum[k] = fma(pj, load(values + j * D + d0 + 8 * k), sum[k]);
+        }
+        for (int k = 0; k < PART / 8; ++k) store(sum[k], acc + 8 * k);
+      }
+  }
+
+  // One tile of attend_split_impl.
+  template <int D>
+  NVFP4_TARGET_AVX2 static inline void tile(const Batch& b, const Unit& u, const TileTokens& tokens, int64_t key0,
+                                            int64_t key_end, Scratch& scratch, State& st) {
+    if (b.layout.fp8_keys())
+      decode_keys<D, KeyFormat::Fp8>(tokens, scratch.keys.get());
+    else if (b.layout.int8_keys())
+      decode_keys<D, KeyFormat::Int8>(tokens, scratch.keys.get());
+    else
+      decode_keys<D, KeyFormat::Nvfp4>(tokens, scratch.keys.get());
+    const int64_t first = u.first_row_seeing(b, key0 + tokens.first) * b.group;
+    const int64_t last = u.end_row_seeing(b, key0 + tokens.n - 1) * b.group;
+    tile_scores<D>(scratch, first, last);
+    probabilities(b, u, key0, key_end, first, last, scratch, st);
+    tile_values<D>(tokens, scratch.probs.get(), scratch.alpha.get(), first, last, scratch.values.get(), st.acc.get());
+  }
+};
+#endif
 
 #if NVFP4_X86
 // --- bf16 queries over NVFP4 keys, prefill: a split at a time, 16 pairs a vector -----------------------------
@@ -1353,6 +1633,12 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
   for (TileWalk walk(b, u, key_begin, key_end); walk.next();) {
     const TileTokens& tokens = walk.tokens();
     const int64_t key0 = walk.key0();
+#if NVFP4_X86
+    if constexpr (I == Isa::Avx2) {
+      Avx2::tile<D>(b, u, tokens, key0, key_end, scratch, st);
+      continue;
+    }
+#endif
     f32x16 key_scales[D / NVFP4_GROUP];
     if (b.layout.fp8_keys())
       decode_fp8_keys<I, D>(tokens, scratch.keys.get(), key_scales);

@@ -24,6 +24,8 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef int16_t i16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));  // the AVX2 attention's halves of a 16-lane vector
+typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef uint64_t u64x8 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
@@ -32,6 +34,8 @@ typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
 SIMD_INLINE f32x16 as_f32(u32x16 u) { return __builtin_bit_cast(f32x16, u); }
 SIMD_INLINE u32x16 as_u32(f32x16 f) { return __builtin_bit_cast(u32x16, f); }
+SIMD_INLINE f32x8 as_f32(u32x8 u) { return __builtin_bit_cast(f32x8, u); }
+SIMD_INLINE u32x8 as_u32(f32x8 f) { return __builtin_bit_cast(u32x8, f); }
 
 template <typename V>
 SIMD_INLINE V max(V a, V b) { return a > b ? a : b; }
@@ -45,11 +49,15 @@ SIMD_INLINE u32x16 greater_mask(i32x16 a, i32x16 b) {
   return __builtin_bit_cast(u32x16, -min(max(a - b, i32x16{}), i32x16{} + 1));
 }
 SIMD_INLINE i32x16 as_i32(u32x16 u) { return __builtin_bit_cast(i32x16, u); }
-SIMD_INLINE u32x16 select(u32x16 mask, u32x16 yes, u32x16 no) { return (yes & mask) | (no & ~mask); }
+SIMD_INLINE i32x8 as_i32(u32x8 u) { return __builtin_bit_cast(i32x8, u); }
+template <typename U>
+SIMD_INLINE U select(U mask, U yes, U no) {
+  return (yes & mask) | (no & ~mask);
+}
 // `yes` in lanes where a > b, `no` elsewhere (callers compare non-negative values). `native`: a vector
-// comparison, for the AVX-512 variant, where it is one instruction and a blend.
-template <bool native>
-SIMD_INLINE u32x16 where_greater(i32x16 a, i32x16 b, u32x16 yes, u32x16 no) {
+// comparison, for AVX-512 and for 8-lane vectors on AVX2, where it is one instruction and a blend.
+template <bool native, typename I, typename U>
+SIMD_INLINE U where_greater(I a, I b, U yes, U no) {
   if constexpr (native)
     return a > b ? yes : no;
   else
@@ -228,15 +236,17 @@ SIMD_INLINE u32x16 e4m3_encode(f32x16 x) {
   return sign | where_greater<native>(as_i32(mag), i32x16{} + 0x7F800000, u32x16{} + 0x7Fu, code);  // NaN
 }
 
-// quant.h's e4m3_decode per lane.
-template <bool native>
-SIMD_INLINE f32x16 e4m3_decode(u32x16 code) {
-  const u32x16 sign = (code & 0x80u) << 24;
-  const u32x16 exp = (code >> 3) & 0xFu, man = code & 7u;
-  const u32x16 normal = ((exp + 120u) << 23) | (man << 20);
-  const u32x16 subnormal = as_u32(__builtin_convertvector(man, f32x16) * 0.001953125f);
-  const u32x16 mag = where_greater<native>(i32x16{} + 1, as_i32(exp), subnormal, normal);  // exponent 0
-  return as_f32(sign | where_greater<native>(as_i32(code & 0x7Fu), i32x16{} + 0x7E, u32x16{} + 0x7FC00000u, mag));
+// quant.h's e4m3_decode per lane, of 16 or 8 lanes.
+template <bool native, typename U>
+SIMD_INLINE auto e4m3_decode(U code) {
+  using I = decltype(as_i32(code));
+  using F = decltype(as_f32(code));
+  const U sign = (code & 0x80u) << 24;
+  const U exp = (code >> 3) & 0xFu, man = code & 7u;
+  const U normal = ((exp + 120u) << 23) | (man << 20);
+  const U subnormal = as_u32(__builtin_convertvector(man, F) * 0.001953125f);
+  const U mag = where_greater<native>(I{} + 1, as_i32(exp), subnormal, normal);  // exponent 0
+  return as_f32(sign | where_greater<native>(as_i32(code & 0x7Fu), I{} + 0x7E, U{} + 0x7FC00000u, mag));
 }
 
 #undef SIMD_INLINE
