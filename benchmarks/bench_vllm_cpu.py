@@ -18,7 +18,13 @@ A figure is the median over the rounds; the first generation of each engine and 
 
 Options: `--model smollm2|gemma3`, `--batches 1 8`, `--prompt-len 2048`, `--decode-tokens 64`, `--rounds 3`,
 `--threads N` (OMP_NUM_THREADS and VLLM_CPU_OMP_THREADS_BIND of the engines; default all CPUs), `--compile`
-(vLLM's default torch.compile instead of eager mode, which starts faster), `--append FILE.md`, `--note TEXT`.
+(vLLM's default torch.compile instead of eager mode, which starts faster), `--avx2-host`, `--append FILE.md`,
+`--note TEXT`.
+
+`--avx2-host` runs both engines as on an x86 CPU without AVX-512: the plugin's AVX2 kernels
+(`VLLM_NVFP4_CPU_ISA=avx2`), vLLM's AVX2 kernel library (`vllm._C_AVX2`, loaded because torch is made to report no
+AVX-512 before vLLM loads its kernels), and torch's and oneDNN's kernels capped at AVX2 (`ATEN_CPU_CAPABILITY=avx2`,
+`ONEDNN_MAX_CPU_ISA=AVX2`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ DTYPES = ("nvfp4", "bfloat16")
 def engine(args) -> None:
     """One engine (this interpreter): for each batch size read from stdin, one generation, its times on stdout."""
     import torch
+
+    if args.avx2_host:
+        torch.cpu._is_avx512_supported = lambda: False  # vLLM's CPU platform then loads vllm._C_AVX2
     from vllm import LLM, SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -94,6 +103,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--avx2-host", action="store_true", help="both engines on their AVX2 kernels")
     parser.add_argument("--append", help="append the table to this markdown file")
     parser.add_argument("--note", help="a line added under the table")
     parser.add_argument("--engine", help=argparse.SUPPRESS)  # internal: serve one engine's generations
@@ -104,6 +114,8 @@ def main() -> None:
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                OMP_NUM_THREADS=str(args.threads), VLLM_CPU_OMP_THREADS_BIND=f"0-{args.threads - 1}")
+    if args.avx2_host:
+        env.update(VLLM_NVFP4_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
     engines = {}
     for dtype in DTYPES:
         command = [sys.executable, os.path.abspath(__file__), "--engine", dtype, "--model", args.model,
@@ -111,6 +123,8 @@ def main() -> None:
                    "--prompt-len", str(args.prompt_len), "--decode-tokens", str(args.decode_tokens)]
         if args.compile:
             command.append("--compile")
+        if args.avx2_host:
+            command.append("--avx2-host")
         engines[dtype] = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                           stderr=subprocess.DEVNULL, text=True)
 
@@ -145,7 +159,8 @@ def main() -> None:
         process.wait()
 
     lines = [
-        f"{stamp()}; {args.threads} threads; {MODEL_NAMES[args.model]} bf16, "
+        f"{stamp()}; {args.threads} threads; {'AVX2 kernels (plugin, vLLM, torch, oneDNN); ' if args.avx2_host else ''}"
+        f"{MODEL_NAMES[args.model]} bf16, "
         f"{'torch.compile' if args.compile else 'eager'}, prompts of {args.prompt_len} tokens, "
         f"{args.decode_tokens} decode tokens; engines taking turns, median of {args.rounds} rounds, "
         f"load average {min(loads):.1f}-{max(loads):.1f} over the rounds",

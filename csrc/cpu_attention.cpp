@@ -16,12 +16,12 @@
 // element: one fused multiply-add per dimension and a block scale per group give 16 scores, no horizontal sums.
 // Values are decoded by rows as e2m1 · SF and accumulated with the probabilities broadcast. Scores, softmax and sums
 // are float32; k_scale is folded into the score scale and v_scale into the final 1 / sum. Like cpu_ops.cpp,
-// the tile kernel exists as AVX-512, AVX2 and baseline x86-64 code (cpu_isa.h), and for bf16 queries over NVFP4
-// keys as AVX512-BF16 code, whose scores are bf16 dot products (exact products, float32 sums in another order), and
-// as AMX-BF16 code: scores are tile products of the bf16 queries and the keys decoded to bf16 (e2m1 · SF is a bf16
-// value), so every product is exact; the weighted sums are tile products of the values decoded to bf16 and each
-// probability split into a bf16 high part plus a bf16 low part (within 2^-16 of it), float32 sums. Each output
-// element of a tile product is its own pair's sum, whatever the tile's other rows hold.
+// the tile kernel exists as AVX-512, AVX2 (a tile's halves of 8 keys, Avx2) and baseline x86-64 code (cpu_isa.h),
+// and for bf16 queries over NVFP4 keys as AVX512-BF16 code, whose scores are bf16 dot products (exact products, float32
+// sums in another order), and as AMX-BF16 code: scores are tile products of the bf16 queries and the keys decoded to
+// bf16 (e2m1 · SF is a bf16 value), so every product is exact; the weighted sums are tile products of the values
+// decoded to bf16 and each probability split into a bf16 high part plus a bf16 low part (within 2^-16 of it), float32
+// sums. Each output element of a tile product is its own pair's sum, whatever the tile's other rows hold.
 //
 // Prefill of bf16 queries over NVFP4 keys (requests of PREFILL_MIN_ROWS query rows or more) takes a split at a time
 // where the CPU has AVX512-BF16 (Bf16Split; with AMX, Amx::attend_split for head 64, the per-tile AMX code for the
@@ -226,16 +226,14 @@ NVFP4_INLINE u32x16 broadcast_word(uint32_t x) {
   return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
 }
 
-// a · b + c: fused on AVX-512; AVX2 and the baseline round the product first (on AVX2 a fused form of 16-lane
-// vectors costs more in moving halves than the two instructions it saves).
+// a · b + c: fused on AVX-512 and on Avx2's 8-lane vectors; the baseline rounds the product first.
 template <Isa I>
 struct Fma {
   static inline f32x16 apply(f32x16 a, f32x16 b, f32x16 c) { return a * b + c; }
 };
 #if NVFP4_X86
 template <>
-struct Fma<Isa::Avx2> {  // 8-lane vectors: fused
-  static inline f32x16 apply(f32x16 a, f32x16 b, f32x16 c) { return a * b + c; }
+struct Fma<Isa::Avx2> {  // Avx2's 8-lane vectors: fused
   NVFP4_TARGET_AVX2 static inline f32x8 apply(f32x8 a, f32x8 b, f32x8 c) {
     return __builtin_bit_cast(f32x8, _mm256_fmadd_ps(__builtin_bit_cast(__m256, a), __builtin_bit_cast(__m256, b),
                                                      __builtin_bit_cast(__m256, c)));
@@ -271,14 +269,6 @@ template <>
 struct Widen<Isa::Avx512> {
   NVFP4_TARGET_AVX512 static inline u32x16 bytes(const uint8_t* p) {
     return __builtin_bit_cast(u32x16, _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  }
-};
-template <>
-struct Widen<Isa::Avx2> {
-  NVFP4_TARGET_AVX2 static inline u32x16 bytes(const uint8_t* p) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256i halves[2] = {_mm256_cvtepu8_epi32(v), _mm256_cvtepu8_epi32(_mm_srli_si128(v, 8))};
-    return __builtin_bit_cast(u32x16, halves);
   }
 };
 template <>
@@ -1633,12 +1623,6 @@ NVFP4_INLINE void attend_split_impl(const Batch& b, const Unit& u, int64_t split
   for (TileWalk walk(b, u, key_begin, key_end); walk.next();) {
     const TileTokens& tokens = walk.tokens();
     const int64_t key0 = walk.key0();
-#if NVFP4_X86
-    if constexpr (I == Isa::Avx2) {
-      Avx2::tile<D>(b, u, tokens, key0, key_end, scratch, st);
-      continue;
-    }
-#endif
     f32x16 key_scales[D / NVFP4_GROUP];
     if (b.layout.fp8_keys())
       decode_fp8_keys<I, D>(tokens, scratch.keys.get(), key_scales);
@@ -1704,11 +1688,23 @@ using AttendSplit = void (*)(const Batch&, const Unit&, int64_t, Scratch&);
   }
 NVFP4_ATTEND_SPLIT(Isa::Baseline, , baseline)
 #if NVFP4_X86
-NVFP4_ATTEND_SPLIT(Isa::Avx2, NVFP4_TARGET_AVX2, avx2)
 NVFP4_ATTEND_SPLIT(Isa::Avx512, NVFP4_TARGET_AVX512, avx512)
 NVFP4_ATTEND_SPLIT(Isa::Avx512Bf16, NVFP4_TARGET_AVX512_BF16, avx512bf16)
 #endif
 #undef NVFP4_ATTEND_SPLIT
+
+#if NVFP4_X86
+// attend_split_impl's contract, a tile at a time in Avx2's halves.
+template <int D>
+NVFP4_TARGET_AVX2 __attribute__((flatten)) void attend_split_avx2(const Batch& b, const Unit& u, int64_t split,
+                                                                  Scratch& scratch) {
+  State& st = scratch.split;
+  const auto [key_begin, key_end] = start_split(b, u, split, st);
+  std::fill(st.acc.get() + u.first_row_seeing(b, key_begin) * b.group * D, st.acc.get() + u.rows * b.group * D, 0.0f);
+  for (TileWalk walk(b, u, key_begin, key_end); walk.next();)
+    Avx2::tile<D>(b, u, walk.tokens(), walk.key0(), key_end, scratch, st);
+}
+#endif
 
 #if NVFP4_X86
 // The AMX variant configures the tiles for the split and hands them back after it, so that a thread that is not
