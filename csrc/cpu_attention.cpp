@@ -51,6 +51,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "checks.h"
@@ -387,6 +388,17 @@ NVFP4_INLINE float lanes_sum(f32x16 v) {
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
   return (v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))[0];
 }
+// The same over 8 lanes: the last three steps of the 16-lane order.
+NVFP4_INLINE float lanes_max(f32x8 v) {
+  v = simd::max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = simd::max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  return simd::max(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6))[0];
+}
+NVFP4_INLINE float lanes_sum(f32x8 v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  return (v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6))[0];
+}
 
 // LANE_MASKS[n]: all ones in lanes 0..n-1.
 struct LaneMasks {
@@ -707,16 +719,23 @@ NVFP4_INLINE void pair_scores_any(const Scratch& scratch, int64_t p, const f32x1
   pair_scores<I, D, COUNT>(scratch.q.get() + p * D, scratch.keys.get(), scales, scratch.probs.get() + p * TILE);
 }
 
+// Pairs [first, last) four at a time, then the last one to three together, so that a GQA group of 3 or 7 reads each
+// key or value row once: step(p, count), count a std::integral_constant.
+template <class Step>
+NVFP4_INLINE void by_pair_groups(int64_t first, int64_t last, Step&& step) {
+  int64_t p = first;
+  for (; p + 4 <= last; p += 4) step(p, std::integral_constant<int, 4>());
+  if (last - p == 3) step(p, std::integral_constant<int, 3>());
+  if (last - p == 2) step(p, std::integral_constant<int, 2>());
+  if (last - p == 1) step(p, std::integral_constant<int, 1>());
+}
+
 // Scores of pairs [first, last) into scratch.probs.
 template <Isa I, int D>
 NVFP4_INLINE void tile_scores(const Scratch& scratch, const f32x16 (&scales)[D / NVFP4_GROUP], int64_t first,
                               int64_t last) {
-  // Four pairs at a time, then the last one to three together (a GQA group of 3 or 7 reads each key row once).
-  int64_t p = first;
-  for (; p + 4 <= last; p += 4) pair_scores_any<I, D, 4>(scratch, p, scales);
-  if (last - p == 3) pair_scores_any<I, D, 3>(scratch, p, scales);
-  if (last - p == 2) pair_scores_any<I, D, 2>(scratch, p, scales);
-  if (last - p == 1) pair_scores_any<I, D, 1>(scratch, p, scales);
+  by_pair_groups(first, last,
+                 [&](int64_t p, auto count) { pair_scores_any<I, D, decltype(count)::value>(scratch, p, scales); });
 }
 
 // Value rows hold each 32 dimensions as the 16 even ones, then the 16 odd ones: the low and high nibbles of 16
@@ -792,12 +811,9 @@ template <Isa I, int D>
 NVFP4_INLINE void tile_values(const TileTokens& t, const float* probs, const float* alpha, int64_t first, int64_t last,
                               float* values, float* sums) {
   if (last - first <= 8) {
-    // As tile_scores: the last one to three pairs together, so each value row is decoded once for them.
-    int64_t p = first;
-    for (; p + 4 <= last; p += 4) pair_values<I, D, 4>(t, probs + p * TILE, alpha + p, sums + p * D);
-    if (last - p == 3) pair_values<I, D, 3>(t, probs + p * TILE, alpha + p, sums + p * D);
-    if (last - p == 2) pair_values<I, D, 2>(t, probs + p * TILE, alpha + p, sums + p * D);
-    if (last - p == 1) pair_values<I, D, 1>(t, probs + p * TILE, alpha + p, sums + p * D);
+    by_pair_groups(first, last, [&](int64_t p, auto count) {
+      pair_values<I, D, decltype(count)::value>(t, probs + p * TILE, alpha + p, sums + p * D);
+    });
     return;
   }
   decode_values<I, D>(t, values);
@@ -936,11 +952,9 @@ struct Avx2 {
     const float* q = scratch.q.get();
     const float* keys = scratch.keys.get();
     float* out = scratch.probs.get();
-    int64_t p = first;
-    for (; p + 4 <= last; p += 4) pair_scores<D, 4>(q + p * D, keys, out + p * TILE);
-    if (last - p == 3) pair_scores<D, 3>(q + p * D, keys, out + p * TILE);
-    if (last - p == 2) pair_scores<D, 2>(q + p * D, keys, out + p * TILE);
-    if (last - p == 1) pair_scores<D, 1>(q + p * D, keys, out + p * TILE);
+    by_pair_groups(first, last, [&](int64_t p, auto count) {
+      pair_scores<D, decltype(count)::value>(q + p * D, keys, out + p * TILE);
+    });
   }
 
   // attend_split_impl's online softmax step for pairs [first, last), on halves.
@@ -961,10 +975,7 @@ struct Avx2 {
         if (b.soft_cap > 0.0f) logits = soft_cap<Isa::Avx2>(logits, b.soft_cap, inverse_cap);
         scores[h] = simd::as_f32(simd::select(mask[h], simd::as_u32(logits), simd::as_u32(splat<f32x8>(NEG_INF))));
       }
-      f32x8 top = simd::max(scores[0], scores[1]);
-      top = simd::max(top, __builtin_shufflevector(top, top, 4, 5, 6, 7, 0, 1, 2, 3));
-      top = simd::max(top, __builtin_shufflevector(top, top, 2, 3, 0, 1, 6, 7, 4, 5));
-      const float m = std::max(st.m[p], simd::max(top, __builtin_shufflevector(top, top, 1, 0, 3, 2, 5, 4, 7, 6))[0]);
+      const float m = std::max(st.m[p], lanes_max(simd::max(scores[0], scores[1])));
       float alpha = 1.0f;
       if (m > st.m[p]) {
         alpha = exp_nonpositive<Isa::Avx2>(splat<f32x8>(st.m[p] - m))[0];
@@ -975,10 +986,7 @@ struct Avx2 {
         probs[h] = simd::as_f32(simd::as_u32(exp_nonpositive<Isa::Avx2>(scores[h] - m)) & mask[h]);
         store(probs[h], prob + 8 * h);
       }
-      f32x8 sum = probs[0] + probs[1];  // lanes_sum's order
-      sum += __builtin_shufflevector(sum, sum, 4, 5, 6, 7, 0, 1, 2, 3);
-      sum += __builtin_shufflevector(sum, sum, 2, 3, 0, 1, 6, 7, 4, 5);
-      st.l[p] = st.l[p] * alpha + (sum + __builtin_shufflevector(sum, sum, 1, 0, 3, 2, 5, 4, 7, 6))[0];
+      st.l[p] = st.l[p] * alpha + lanes_sum(probs[0] + probs[1]);  // the 16-lane lanes_sum's order
       scratch.alpha[p] = alpha;
     }
   }
@@ -1024,11 +1032,9 @@ struct Avx2 {
   NVFP4_TARGET_AVX2 static inline void tile_values(const TileTokens& t, const float* probs, const float* alpha,
                                                    int64_t first, int64_t last, float* values, float* sums) {
     if (last - first <= 8) {
-      int64_t p = first;
-      for (; p + 4 <= last; p += 4) pair_values<D, 4>(t, probs + p * TILE, alpha + p, sums + p * D);
-      if (last - p == 3) pair_values<D, 3>(t, probs + p * TILE, alpha + p, sums + p * D);
-      if (last - p == 2) pair_values<D, 2>(t, probs + p * TILE, alpha + p, sums + p * D);
-      if (last - p == 1) pair_values<D, 1>(t, probs + p * TILE, alpha + p, sums + p * D);
+      by_pair_groups(first, last, [&](int64_t p, auto count) {
+        pair_values<D, decltype(count)::value>(t, probs + p * TILE, alpha + p, sums + p * D);
+      });
       return;
     }
     for (int j = t.first; j < t.n; ++j)
