@@ -320,7 +320,7 @@ def test_under_pressure_with_bf16_weights_no_divergence_reads_a_wrong_page(bf16_
 # workloads (benchmarks/pressure_divergence.py, 360 requests) NVFP4 34, the bf16 cache 18 (p = 0.011) and vLLM's FP8
 # cache 22; before any divergence a recompute moves the best log-probability by more than 0.1 nats in 136, 12 and 56
 # requests. A systematic excess, not tie-flip noise: the bar is not met with bf16 weights.
-XFAIL_REASON = ("issue 16: with bf16 weights NVFP4 under pressure diverges in more requests than vLLM's bf16 cache "
+XFAIL_REASON = ("with bf16 weights NVFP4 under pressure diverges in more requests than vLLM's bf16 cache "
                 "on workloads preempted mid-generation (benchmarks/results/reliability.md)")
 
 
@@ -330,7 +330,7 @@ def diverged_by(found: list[Divergence], token: int) -> int:
 
 @pytest.mark.xfail(strict=True, reason=XFAIL_REASON)
 def test_under_pressure_with_bf16_weights_nvfp4_diverges_no_more_than_bf16(bf16_runs):
-    # The issue-16 bar, pooled over the workloads: by every generated token, no more NVFP4 requests have diverged
+    # The pressure bar, pooled over the workloads: by every generated token, no more NVFP4 requests have diverged
     # from their free run than bf16-cache requests (so no more in all, and none earlier in distribution), and every
     # NVFP4 divergence is a near-tie.
     own, nvfp4 = bf16_divergences(bf16_runs)
