@@ -375,20 +375,7 @@ inline V soft_cap(V s, float cap, float inverse_cap) {
   return simd::as_f32(t | sign) * cap;
 }
 
-// Every lane ends up holding the maximum / the sum of the 16 lanes (a fixed pairwise order).
-NVFP4_INLINE float lanes_max(f32x16 v) {
-  v = simd::max(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = simd::max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = simd::max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  return simd::max(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))[0];
-}
-NVFP4_INLINE float lanes_sum(f32x16 v) {
-  v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-  return (v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14))[0];
-}
-// The same over 8 lanes: the last three steps of the 16-lane order.
+// Every lane ends up holding the maximum / the sum of the 8 lanes (a fixed pairwise order).
 NVFP4_INLINE float lanes_max(f32x8 v) {
   v = simd::max(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
   v = simd::max(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
@@ -399,6 +386,11 @@ NVFP4_INLINE float lanes_sum(f32x8 v) {
   v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
   return (v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6))[0];
 }
+// The same over 16 lanes: fold the high half onto the low one, then the 8-lane order.
+NVFP4_INLINE f32x8 low_half(f32x16 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7); }
+NVFP4_INLINE f32x8 high_half(f32x16 v) { return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15); }
+NVFP4_INLINE float lanes_max(f32x16 v) { return lanes_max(simd::max(low_half(v), high_half(v))); }
+NVFP4_INLINE float lanes_sum(f32x16 v) { return lanes_sum(low_half(v) + high_half(v)); }
 
 // LANE_MASKS[n]: all ones in lanes 0..n-1.
 struct LaneMasks {
