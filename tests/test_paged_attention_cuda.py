@@ -151,9 +151,11 @@ def test_non_causal(requests):
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 8, 24, 32, 64])
-def test_decode_block_sizes(block_size):
+@pytest.mark.parametrize("head_size", [64, 128])  # the decode kernel copies head 64's rows its own way
+def test_decode_block_sizes(block_size, head_size):
     """Blocks a multiple of 16 (one table read a 16-key block) and not (a read a key), swizzled where allowed."""
-    batch = Batch(DECODES + [(2, 500)], block_size=block_size, swizzle=block_size % 4 == 0, seed=block_size)
+    batch = Batch(DECODES + [(2, 500)], block_size=block_size, head_size=head_size, swizzle=block_size % 4 == 0,
+                  seed=block_size)
     batch.check(batch.run())
 
 
@@ -173,11 +175,12 @@ def _sinks(q_heads, seed):
 
 @pytest.mark.parametrize("batch_kind", list(FEATURE_BATCHES))
 @pytest.mark.parametrize("window", [1, 5, 16, 23, 100, 5000])
-def test_sliding_window(batch_kind, window):
+@pytest.mark.parametrize("head_size", [64, 128])  # the decode kernel copies head 64's rows its own way
+def test_sliding_window(batch_kind, window, head_size):
     """Windows shorter and longer than a page, edges mid-page. Keys before the window are never read: the pages
     wholly before it are overwritten with 0xFF (NaN block scales) after the reference has read them."""
-    batch = Batch(FEATURE_BATCHES[batch_kind], block_size=16, swizzle=window % 2 == 1, seed=window,
-                  features={"sliding_window": window})
+    batch = Batch(FEATURE_BATCHES[batch_kind], head_size=head_size, block_size=16, swizzle=window % 2 == 1,
+                  seed=window, features={"sliding_window": window})
     ref = batch.reference()
     for r, (n, c) in enumerate(batch.requests):
         first_visible = max(0, c - n - window + 1)

@@ -686,8 +686,9 @@ __global__ void __launch_bounds__(ATTN_THREADS) nvfp4_paged_attention_kernel(Par
 // M side: S^T = K · Q^T (m16 = 16 keys, n8 = 8 query rows, k16 = 16 channels) and O^T = V^T · P^T (m16 = 16
 // channels, k16 = 16 keys), so no tensor-core row is spent on the few query rows, and every lane decodes each
 // code it loads exactly once. A warp copies chunks of 32 keys with cp.async into a ring of two slots of shared
-// memory, one chunk ahead of its use; each lane reads back only the bytes it copied, so no barrier is needed, and
-// the registers a chunk would hold go to a fourth CTA an SM. The four warps of a CTA take interleaved chunks of
+// memory, one chunk ahead of its use; each lane reads back only the bytes it copied, so no barrier is needed (head
+// 64: the bytes its warp copied, behind a __syncwarp; DecodeSlot::SHARED), and the registers a chunk would hold go to
+// a fourth CTA an SM. The four warps of a CTA take interleaved chunks of
 // the CTA's KV range, and they merge through shared memory at the end. S^T's fragments become P^T's with `movmatrix` (a
 // transpose of 8 × 8 half blocks in registers).
 //
@@ -730,14 +731,23 @@ struct DecodeSlot {
   // of DRAM bandwidth, and decode took 0.19 ms instead of 0.15. An NVFP4 piece's block scales start at
   // byte piece_offset / 8 of the key's scale row (a scale byte for each 8 bytes of codes).
   __host__ __device__ static constexpr int piece_offset(int t, int p) { return (4 * p + t) * K_PIECE; }
-  static constexpr int K_DATA = 0;                                         // [16-key run][key r][piece][lane]
+  // Head 64 (NVFP4): a (key, head)'s codes are 32 bytes a side and its block scales 4, so a lane's own bytes took 18
+  // copies of 4 and 8 bytes a chunk, whose address arithmetic was on the critical path. SHARED: the lanes copy whole
+  // rows instead, 16-byte halves of code rows and whole scale rows (6 copies a lane), each into the place its
+  // readers load from, and read each other's bytes behind a __syncwarp.
+  static constexpr bool SHARED = D == 64 && KEYS == KeyFormat::Nvfp4;
+  static constexpr int K_DATA = 0;  // [16-key run][key r][piece][lane] (SHARED: [run][r][g][row], the same bytes)
   static constexpr int K_SCALES = K_DATA + 4 * K_PIECES * WARP * K_PIECE;  // [run][key r][word][lane]: the 4-byte
                                                                            // words holding the key's scale bytes
-  // K scale bytes of one lane: a word per piece of each of its 4 keys (NVFP4), none (FP8), one word (INT8: [lane])
-  static constexpr int K_SCALE_BYTES = KEYS == KeyFormat::Nvfp4 ? 4 * K_PIECES * 4 : KEYS == KeyFormat::Int8 ? 4 : 0;
-  static constexpr int V_DATA = K_SCALES + K_SCALE_BYTES * WARP;   // [run][key 4t + i][lane]
+  // K scale bytes of one lane: a word per piece of each of its 4 keys (NVFP4), none (FP8), one word (INT8: [lane]).
+  // SHARED: [run][32 scale rows], K key σ(g) + 2r at row 2g + r, V key k at row 16 + k.
+  static constexpr int K_SCALE_BYTES = SHARED                     ? 8
+                                       : KEYS == KeyFormat::Nvfp4 ? 4 * K_PIECES * 4
+                                       : KEYS == KeyFormat::Int8  ? 4
+                                                                  : 0;
+  static constexpr int V_DATA = K_SCALES + K_SCALE_BYTES * WARP;   // [run][key 4t + i][lane] (SHARED: [run][i][t][row])
   static constexpr int V_SCALES = V_DATA + 8 * WARP * S::V_BYTES;  // [run][group][lane]: a 4-byte word
-  static constexpr int BYTES = V_SCALES + 2 * S::V_GROUPS * WARP * 4;
+  static constexpr int BYTES = V_SCALES + (SHARED ? 0 : 2 * S::V_GROUPS * WARP * 4);
 };
 
 // c += a · (a B fragment read from shared memory now: a volatile load, so that it is not hoisted into registers).
@@ -751,6 +761,16 @@ __device__ __forceinline__ uint32_t transpose_8x8(uint32_t x) {
   uint32_t y;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
+}
+
+// SHARED (DecodeSlot): the keys of a 16-key run whose rows this lane copies, (K codes, V codes, scales). It copies
+// half lane % 2 of one K code row and of one V code row into bytes 16 lane .. of the run's rows, which hold K key
+// σ(g) + 2r at row 8r + g and V key 4t + i at row 4i + t, and the scale row lane of the run's, K key σ(g) + 2r at
+// row 2g + r and V key k at row 16 + k.
+__device__ __forceinline__ int3 shared_row_keys() {
+  const int lane = threadIdx.x % WARP, g = lane / 2 % 8, sigma = 2 * g - (g & 1);
+  return make_int3(sigma + 2 * (lane / 16), 4 * (lane / 2 % 4) + lane / 8,
+                   lane < 16 ? sigma + 2 * (lane & 1) : lane - 16);
 }
 
 // This lane's byte offsets inside a 16-key run of one block (from the run's first (key, head) entry), in either
@@ -768,6 +788,14 @@ struct LaneOffsets {
   __device__ LaneOffsets(const Params& p) {
     const int lane = threadIdx.x % WARP, g = lane >> 2, t = lane & 3, sigma = 2 * g - (g & 1);
     const int step = static_cast<int>(p.layout.token_step());
+    if constexpr (DecodeSlot<D, KEYS>::SHARED) {  // the rows it copies (shared_row_keys), on either side
+      const int3 keys = shared_row_keys();
+      k_data = keys.x * step * (D / 2) + 16 * (lane & 1);
+      v_data = keys.y * step * (D / 2) + 16 * (lane & 1);
+      k_scales = keys.z * step * (D / 16);
+      v_scales[0] = 0;
+      return;
+    }
     k_data = sigma * step * S::K_ROW + DecodeSlot<D, KEYS>::piece_offset(t, 0);
     k_scales = (sigma * step * (D / 16) + DecodeSlot<D, KEYS>::piece_offset(t, 0) / 8) & ~3;  // the aligned word
     v_data = 4 * t * step * (D / 2) + S::V_BYTES * g;
@@ -880,30 +908,76 @@ __device__ __forceinline__ void copy_chunk_keys(uint8_t* slot, const Params& p,
   }
 }
 
+// SHARED (DecodeSlot): this lane's rows of the chunk (shared_row_keys), zero-filled as copy_chunk_keys does: a row
+// of a key outside [lo, hi) or without a block, a swizzled V scale row when none of its four keys is read.
+template <bool WHOLE, int D, bool SWIZZLE, KeyFormat KEYS>
+__device__ __forceinline__ void copy_chunk_rows(uint8_t* slot, const Params& p,
+                                                const LaneOffsets<D, SWIZZLE, KEYS>& lane, int2 blocks, int head,
+                                                int chunk_start, int lo, int hi) {
+  using L = DecodeSlot<D, KEYS>;
+  const int lane_id = threadIdx.x % WARP;
+  const int data_bytes = static_cast<int>(p.layout.data_region_bytes());
+  const int3 keys = shared_row_keys();
+  const bool v_scale = lane_id >= 16;
+#pragma unroll
+  for (int b = 0; b < 2; ++b) {
+    const int run = chunk_start + 16 * b;
+    const int block = b ? blocks.y : blocks.x;
+    const auto read = [&](int first, int last) {
+      return WHOLE || (block >= 0 && run + last >= lo && run + first < hi);
+    };
+    const bool k_read = read(keys.x, keys.x), v_read = read(keys.y, keys.y);
+    const bool scale_read = SWIZZLE && v_scale ? read(keys.z & ~3, keys.z | 3) : read(keys.z, keys.z);
+    const int entry = run_entry(p, run, head);
+    const uint32_t block_index = max(block, 0);
+    const uint8_t* k_block = p.key_cache + block_index * p.key_block_stride;
+    const uint8_t* v_block = p.value_cache + block_index * p.value_block_stride;
+    const uint32_t codes = entry * (D / 2);
+    copy_async<16>(slot + L::K_DATA + 512 * b + 16 * lane_id,
+                   k_read ? k_block + static_cast<uint32_t>(codes + lane.k_data) : p.key_cache, k_read);
+    copy_async<16>(slot + L::V_DATA + 512 * b + 16 * lane_id,
+                   v_read ? v_block + static_cast<uint32_t>(codes + lane.v_data) : p.value_cache, v_read);
+    const uint8_t* scale_row =
+        (v_scale ? v_block : k_block) + static_cast<uint32_t>(data_bytes + entry * (D / 16) + lane.k_scales);
+    copy_async<4>(slot + L::K_SCALES + 128 * b + 4 * lane_id, scale_read ? scale_row : p.key_cache, scale_read);
+  }
+}
+
 template <int D, bool SWIZZLE, KeyFormat KEYS>
 __device__ __forceinline__ void copy_chunk(uint8_t* slot, const Params& p, const LaneOffsets<D, SWIZZLE, KEYS>& lane,
                                            int2 blocks, int head, int chunk_start, int lo, int hi) {
-  if (blocks.x >= 0 && blocks.y >= 0 && chunk_start >= lo && chunk_start + DECODE_CHUNK <= hi)
+  const bool whole = blocks.x >= 0 && blocks.y >= 0 && chunk_start >= lo && chunk_start + DECODE_CHUNK <= hi;
+  if constexpr (DecodeSlot<D, KEYS>::SHARED) {
+    if (whole)
+      copy_chunk_rows<true>(slot, p, lane, blocks, head, chunk_start, lo, hi);
+    else
+      copy_chunk_rows<false>(slot, p, lane, blocks, head, chunk_start, lo, hi);
+  } else if (whole) {
     copy_chunk_keys<true>(slot, p, lane, blocks, head, chunk_start, lo, hi);
-  else
+  } else {
     copy_chunk_keys<false>(slot, p, lane, blocks, head, chunk_start, lo, hi);
+  }
 }
 
 // This lane's V scale bytes of run b, byte i for key 4t + i, per group q, from the words it copied. Swizzled: the
 // bytes of keys outside [lo, hi) are zeroed (their codes are zero, but a scale byte may be NaN, and NaN · 0 is NaN).
 // Linear: gathered from the words its t's lanes copied: key 4t + i's word w is held by lane g = i + 4 (w % 2), as
-// its copy w / 2.
+// its copy w / 2. SHARED: one group, g / 2, read from the run's V scale rows (rows 16 .. of its scale rows).
 template <int D, bool SWIZZLE, KeyFormat KEYS>
 __device__ __forceinline__ void read_v_scales(uint32_t (&v_scales)[DecodeShape<D, KEYS>::V_GROUPS], const uint8_t* slot,
                                               int b, int run, int lo, int hi) {
   using S = DecodeShape<D, KEYS>;
   using L = DecodeSlot<D, KEYS>;
   const int lane_id = threadIdx.x % WARP, g = lane_id >> 2, t = lane_id & 3;
-  uint32_t words[S::V_GROUPS];
-#pragma unroll
-  for (int q = 0; q < S::V_GROUPS; ++q)
-    read_own<4>(&words[q], slot + L::V_SCALES + ((b * S::V_GROUPS + q) * WARP + lane_id) * 4);
+  const uint8_t* v_rows = slot + L::K_SCALES + 128 * b + 4 * 16;  // SHARED
   if constexpr (SWIZZLE) {
+    uint32_t words[S::V_GROUPS];
+    if constexpr (L::SHARED)  // row 4t + g / 2: the group's bytes of keys 4t .. 4t + 3
+      words[0] = *reinterpret_cast<const uint32_t*>(v_rows + 4 * (4 * t + g / 2));
+    else
+#pragma unroll
+      for (int q = 0; q < S::V_GROUPS; ++q)
+        read_own<4>(&words[q], slot + L::V_SCALES + ((b * S::V_GROUPS + q) * WARP + lane_id) * 4);
     const int first = run + 4 * t;
     uint32_t keep = 0xFFFFFFFFu;
     if (first < lo || first + 4 > hi) {
@@ -914,7 +988,15 @@ __device__ __forceinline__ void read_v_scales(uint32_t (&v_scales)[DecodeShape<D
     }
 #pragma unroll
     for (int q = 0; q < S::V_GROUPS; ++q) v_scales[q] = words[q] & keep;
+  } else if constexpr (L::SHARED) {  // byte g / 2 of rows 4t .. 4t + 3
+    const uint4 w = *reinterpret_cast<const uint4*>(v_rows + 16 * t);
+    const uint32_t byte = g / 2 | (g / 2 + 4) << 4;
+    v_scales[0] = __byte_perm(__byte_perm(w.x, w.y, byte), __byte_perm(w.z, w.w, byte), 0x5410);
   } else {
+    uint32_t words[S::V_GROUPS];
+#pragma unroll
+    for (int q = 0; q < S::V_GROUPS; ++q)
+      read_own<4>(&words[q], slot + L::V_SCALES + ((b * S::V_GROUPS + q) * WARP + lane_id) * 4);
     const int group = S::V_BYTES * 2 * g / 16, word = group / 4;  // all of a lane's groups share one word
     uint32_t got[4][S::V_GROUPS];
 #pragma unroll
@@ -941,9 +1023,12 @@ __device__ __forceinline__ void k_scale_splats(const uint8_t* slot, int b, int r
   using L = DecodeSlot<D, KEYS>;
   const int lane = threadIdx.x % WARP, t = lane & 3;
   uint32_t words[L::K_PIECES];  // per piece, the aligned word holding its scale bytes
+  if constexpr (L::SHARED)      // the key's scale row: row 2g + r of the run's
+    words[0] = *reinterpret_cast<const uint32_t*>(slot + L::K_SCALES + 128 * b + 4 * (2 * (lane >> 2) + r));
+  else
 #pragma unroll
-  for (int piece = 0; piece < L::K_PIECES; ++piece)
-    read_own<4>(&words[piece], slot + L::K_SCALES + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane) * 4);
+    for (int piece = 0; piece < L::K_PIECES; ++piece)
+      read_own<4>(&words[piece], slot + L::K_SCALES + (((2 * b + r) * L::K_PIECES + piece) * WARP + lane) * 4);
   const uint32_t first = (L::piece_offset(t, 0) / 8) & 3;  // the first piece's first scale byte in its word
   const uint32_t doubled = 0x1100u + 0x1111u * first;      // bytes first, first, first + 1, first + 1
 #pragma unroll
@@ -1184,7 +1269,9 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
       uint32_t v[4][S::V_WORDS], v_scales[S::V_GROUPS];  // keys 4t + i
 #pragma unroll
       for (int i = 0; i < 4; ++i)
-        read_own<S::V_BYTES>(v[i], slot + L::V_DATA + ((4 * b + i) * WARP + lane) * S::V_BYTES);
+        read_own<S::V_BYTES>(
+            v[i], slot + L::V_DATA +
+                      (L::SHARED ? 512 * b + 128 * i + 32 * t + 4 * g : ((4 * b + i) * WARP + lane) * S::V_BYTES));
       read_v_scales<D, SWIZZLE, KEYS>(v_scales, slot, b, chunk_start + 16 * b, kv_lo, seq_len);
       uint32_t pb[NB][2];
 #pragma unroll
@@ -1234,12 +1321,14 @@ __global__ void __launch_bounds__(DECODE_THREADS, decode_ctas_per_sm(D, NB)) nvf
   int2 next_blocks = blocks_of(1);
   for (int i = 0; i < mine; ++i) {
     const int2 later = blocks_of(i + 2);
+    if constexpr (L::SHARED) __syncwarp();  // every lane is done reading the slot copied into next
     if (i + 1 < mine)
       copy_chunk<D, SWIZZLE, KEYS>(ring + ((i + 1) & 1) * L::BYTES, p, offsets, next_blocks, head, chunk_start(i + 1),
                                    kv_lo, seq_len);
     copy_commit();
     next_blocks = later;
-    copy_wait<1>();  // chunk i's copies are done
+    copy_wait<1>();                         // chunk i's copies are done
+    if constexpr (L::SHARED) __syncwarp();  // and those of the other lanes too
     attend(ring + (i & 1) * L::BYTES, chunk_start(i));
   }
   __syncthreads();  // the rings become merge_o
