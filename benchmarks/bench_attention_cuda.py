@@ -4,7 +4,8 @@ Decode (one query token a request, FlashInfer's tensor-core decode for the peers
 --heads head counts and head 128, plus heads 64 and 256 at the first shape (effective bandwidth). Prefill (causal):
 each --prefill case as `[count×]query_len[+cached]` (e.g. `4x8192`, `2048+30720` = a 2,048-token chunk after
 30,720 cached tokens), the plugin's fused kernel and its dequantize-to-bf16 + FlashInfer fa3 path against FlashInfer
-bf16 fa3 prefill over the same lengths.
+bf16 fa3 prefill over the same lengths; --prefill-features adds rows with a layer's model features (sliding window,
+logit soft-cap, sinks), the bf16 peer planned with the same window and soft-cap.
 
 Times: medians of CUDA-event timings of a CUDA graph replaying each call --calls times (launch overhead out),
 caches of random bytes (no E4M3 NaN scale) in shuffled pages, 16-token pages. `floor` is the bytes the call must
@@ -14,8 +15,8 @@ fp8_keys page (FP8 E4M3 keys, NVFP4 values) of the same shape; --int8-keys one o
 an fp16 scale each, finite, NVFP4 values). Prints a markdown table; --out FILE writes it too.
 
     python benchmarks/bench_attention_cuda.py [--decode 32x8192,8x32768,1x32768,128x2048] [--heads 32/8,64/8]
-        [--prefill 4096,4x8192,2048+30720] [--peers bf16,fp8,nvfp4] [--fp8-keys] [--int8-keys] [--calls 20]
-        [--reps 15] [--out FILE]
+        [--prefill 4096,4x8192,2048+30720] [--prefill-features window128+sinks,window4096+cap50]
+        [--peers bf16,fp8,nvfp4] [--fp8-keys] [--int8-keys] [--calls 20] [--reps 15] [--out FILE]
     python benchmarks/bench_attention_cuda.py --warm-flashinfer   # build FlashInfer's JIT modules first
 """
 
@@ -92,19 +93,26 @@ class Case:
         self.v_scale = torch.ones(1, device="cuda")
         self.scale = head ** -0.5
 
-    def plugin(self):
+    def plugin(self, sliding_window=0, logits_soft_cap=0.0, sinks=None):
         from vllm_nvfp4_plugin import ops
 
         ops.nvfp4_paged_attention(self.query, self.key_cache, self.value_cache, self.table, self.query_start_loc,
                                   self.seq_lens, self.k_scale, self.v_scale, self.scale, True, False,
-                                  max(n for n, _ in self.requests), max(c for _, c in self.requests), self.out)
+                                  max(n for n, _ in self.requests), max(c for _, c in self.requests), self.out,
+                                  sliding_window, logits_soft_cap, sinks)
 
     def nvfp4_bytes(self) -> int:
         cached = sum(c for _, c in self.requests) * self.kv_heads * (self.layout.key_dim + self.layout.full_dim)
         return cached + 2 * self.query.numel() * self.query.element_size()
 
-    def causal_flops(self) -> float:
-        pairs = sum(n * (c - n) + n * (n + 1) / 2 for n, c in self.requests)
+    def causal_flops(self, sliding_window: int = 0) -> float:
+        """Flops of the (query, key) pairs the causal mask and `sliding_window` (0: none) leave visible."""
+        pairs = 0
+        for n, c in self.requests:
+            seen = torch.arange(c - n, c) + 1  # keys up to each query's position
+            if sliding_window:
+                seen = seen.clamp(max=sliding_window)
+            pairs += int(seen.sum())
         return 4.0 * pairs * self.q_heads * self.head
 
 
@@ -130,45 +138,65 @@ def flashinfer_nvfp4_decode(case: Case):
     return lambda: decoder.run(case.query, case.cache[:, 0], case.cache[:, 1], 1.0, 1.0, case.out)
 
 
-def flashinfer_ragged_prefill(case: Case):
-    """FlashInfer's fa3 ragged prefill planned for the case; returns run(k, v)."""
+def flashinfer_ragged_prefill(case: Case, sliding_window=0, logits_soft_cap=0.0):
+    """FlashInfer's fa3 ragged prefill planned for the case (with its window and soft-cap); returns run(k, v)."""
     import flashinfer
 
     ws = torch.empty(FLASHINFER_WORKSPACE, dtype=torch.uint8, device="cuda")
     wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
     wrapper.plan(case.qo_indptr, case.kv_indptr, case.q_heads, case.kv_heads, case.head, causal=True,
-                 sm_scale=case.scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                 sm_scale=case.scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+                 window_left=sliding_window - 1 if sliding_window else -1, logits_soft_cap=logits_soft_cap)
     return lambda k, v: wrapper.run(case.query, k, v, out=case.out)
 
 
-def warm_flashinfer(head_sizes: list[int]) -> None:
-    """Builds FlashInfer's JIT modules this benchmark uses (bf16/fp8/NVFP4 decode, fa3 prefill) on tiny shapes;
-    needs no plugin extension, so it can run while the extension builds."""
+PREFILL_VARIANTS = ((0, 0.0), (128, 0.0), (0, 30.0), (128, 30.0))  # (window, soft-cap): fa3 builds one module each
+
+
+def warm_module(task: tuple) -> str:
+    """Builds one FlashInfer JIT module on a tiny shape: ("decode", head, kv dtype) or ("prefill", head, window,
+    soft-cap)."""
     import flashinfer
 
     ws = torch.empty(FLASHINFER_WORKSPACE, dtype=torch.uint8, device="cuda")
-    indptr, indices, last = (torch.tensor([0, 1], dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device="cuda"),
-                             torch.tensor([1], dtype=torch.int32))
-    for head in head_sizes:
+    if task[0] == "prefill":
+        _, head, window, cap = task
+        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+        w.plan(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 8, 2, head,
+               causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
+               window_left=window - 1 if window else -1, logits_soft_cap=cap)
+        kv = torch.zeros(4, 2, head, dtype=torch.bfloat16, device="cuda")
+        w.run(torch.zeros(4, 8, head, dtype=torch.bfloat16, device="cuda"), kv, kv)
+    else:
+        _, head, kv_dtype = task
+        indptr, last = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
         q = torch.zeros(1, 8, head, dtype=torch.bfloat16, device="cuda")
-        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8):
-            if head != 128 and kv_dtype != torch.bfloat16:
-                continue
-            w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-            w.plan(indptr, indices, last, 8, 2, head, BLOCK_SIZE, q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
-            if kv_dtype == torch.uint8:
-                data = torch.zeros(2, 1, BLOCK_SIZE, 2, head // 2, dtype=torch.uint8, device="cuda")
-                sf = torch.zeros(2, 1, BLOCK_SIZE, 2, head // 16, dtype=torch.uint8, device="cuda")
-                w.run(q, (data[0], data[1]), kv_cache_sf=(sf[0].view(torch.float8_e4m3fn), sf[1].view(torch.float8_e4m3fn)))
-            else:
-                w.run(q, torch.zeros(1, 2, BLOCK_SIZE, 2, head, device="cuda").to(kv_dtype))
-    w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
-    w.plan(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 8, 2, 128, causal=True,
-           q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    kv = torch.zeros(4, 2, 128, dtype=torch.bfloat16, device="cuda")
-    w.run(torch.zeros(4, 8, 128, dtype=torch.bfloat16, device="cuda"), kv, kv)
+        w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+        w.plan(indptr, torch.zeros(1, dtype=torch.int32, device="cuda"), last, 8, 2, head, BLOCK_SIZE,
+               q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
+        if kv_dtype == torch.uint8:
+            data = torch.zeros(2, 1, BLOCK_SIZE, 2, head // 2, dtype=torch.uint8, device="cuda")
+            sf = torch.zeros(2, 1, BLOCK_SIZE, 2, head // 16, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+            w.run(q, (data[0], data[1]), kv_cache_sf=(sf[0], sf[1]))
+        else:
+            w.run(q, torch.zeros(1, 2, BLOCK_SIZE, 2, head, device="cuda").to(kv_dtype))
     torch.cuda.synchronize()
-    print("FlashInfer modules built", flush=True)
+    return " ".join(map(str, task))
+
+
+def warm_flashinfer(head_sizes: list[int], jobs: int) -> None:
+    """Builds FlashInfer's JIT modules this benchmark and the tests use (bf16/fp8/NVFP4 decode; fa3 prefill, plain,
+    windowed and soft-capped) in `jobs` processes; needs no plugin extension, so it can run while the extension
+    builds."""
+    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
+
+    tasks = [("decode", head, kv_dtype) for head in head_sizes
+             for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8) if head == 128 or kv_dtype == torch.bfloat16]
+    tasks += [("prefill", head, window, cap) for head in head_sizes for window, cap in PREFILL_VARIANTS]
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for built in pool.map(warm_module, tasks):
+            print("FlashInfer module built:", built, flush=True)
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -176,31 +204,54 @@ def parse_shape(text: str) -> tuple[int, int]:
     return int(count or 1), rest
 
 
-def prefill_row(text: str, t, gen, have_flashinfer: bool) -> str:
-    """One causal prefill case: the fused kernel, dequantize + fa3, FlashInfer bf16 fa3 (same lengths)."""
+def parse_features(text: str) -> dict:
+    """A model-feature set such as `window128+sinks` or `window4096+cap50` as the op's keyword arguments."""
+    features = {}
+    for part in filter(None, text.split("+")):
+        if part == "sinks":
+            features["sinks"] = True
+        elif part.startswith("window"):
+            features["sliding_window"] = int(part[len("window"):])
+        elif part.startswith("cap"):
+            features["logits_soft_cap"] = float(part[len("cap"):])
+        else:
+            raise ValueError(f"unknown model feature {part!r}: use windowN, capX and sinks joined by '+'")
+    return features
+
+
+def prefill_row(text: str, t, gen, have_flashinfer: bool, feature_text: str = "") -> str:
+    """One causal prefill case: the fused kernel, dequantize + fa3, FlashInfer bf16 fa3 (same lengths, same window
+    and soft-cap; the bf16 peer runs without the sinks, which cost the plugin one pass over the output)."""
     count, rest = parse_shape(text)
     n, _, cached = rest.partition("+")
     n, cached = int(n), int(cached or 0)
     case = Case([(n, n + cached)] * count, 32, 8, 128, gen)
-    fused = t(case.plugin)
-    row = [f"{count}×{n}" + (f" over {cached} cached" if cached else ""), f"{fused:.3f}"]
-    flops = case.causal_flops()
+    features = parse_features(feature_text)
+    if features.pop("sinks", False):
+        features["sinks"] = torch.randn(32, device="cuda", generator=gen)
+    window, cap = features.get("sliding_window", 0), features.get("logits_soft_cap", 0.0)
+    fused = t(lambda: case.plugin(**features))
+    row = [f"{count}×{n}" + (f" over {cached} cached" if cached else ""), feature_text or "none", f"{fused:.3f}"]
+    flops = case.causal_flops(window)
     rates = [flops / (fused * 1e-3) / 1e12]
     if have_flashinfer:
         from vllm_nvfp4_plugin.attention.flashinfer_reader import DequantPrefill
 
         dequant = DequantPrefill(torch.device("cuda"))
-        dequant.plan(case.qo_indptr, case.kv_indptr[1:] - case.kv_indptr[:-1], 32, 8, 128, True, case.scale)
-        ms = t(lambda: dequant.run(case.query, case.cache, case.table, case.k_scale, case.v_scale, case.out))
-        run = flashinfer_ragged_prefill(case)
+        dequant.plan(case.qo_indptr, case.kv_indptr[1:] - case.kv_indptr[:-1], 32, 8, 128, True, case.scale,
+                     sliding_window=window, logits_soft_cap=cap, block_size=BLOCK_SIZE)
+        table = dequant.visible_table(case.table)
+        sinks = features.get("sinks")
+        ms = t(lambda: dequant.run(case.query, case.cache, table, case.k_scale, case.v_scale, case.out, sinks))
+        run = flashinfer_ragged_prefill(case, window, cap)
         shape = (int(case.kv_indptr[-1]), 8, 128)
         ref_k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
         ref_v = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
         bf16 = t(lambda: run(ref_k, ref_v))
-        row += [f"{ms:.3f}", f"{bf16:.3f}"]
+        row += [f"{ms:.3f}", f"{bf16:.3f}", f"{ms / bf16:.2f}"]
         rates += [flops / (ms * 1e-3) / 1e12, flops / (bf16 * 1e-3) / 1e12]
     else:
-        row += ["", ""]
+        row += ["", "", ""]
     row.append(" / ".join(f"{r:.0f}" for r in rates))
     return "| " + " | ".join(row) + " |"
 
@@ -212,6 +263,9 @@ def main(argv=None):
     parser.add_argument("--head-sizes", default="64,256", help="extra head sizes, timed at the first decode shape")
     parser.add_argument("--prefill", default="4096,4x8192,2048+30720",
                         help="causal prefill cases [count x]query_len[+cached tokens]; '' for none")
+    parser.add_argument("--prefill-features", default="",
+                        help="model-feature sets the prefill cases also run with, comma-separated, each windowN, "
+                             "capX and sinks joined by '+' (e.g. window128+sinks,window4096+cap50)")
     parser.add_argument("--peers", default="bf16,fp8,nvfp4", help="FlashInfer decode peers")
     parser.add_argument("--fp8-keys", action="store_true", help="also time decode over an fp8_keys page")
     parser.add_argument("--int8-keys", action="store_true", help="also time decode over an int8-key page")
@@ -223,9 +277,10 @@ def main(argv=None):
                         help="call the plugin's decode once per shape, eagerly, and time nothing (for a profiler)")
     parser.add_argument("--warm-flashinfer", action="store_true",
                         help="only build FlashInfer's JIT modules for these head sizes (128 and --head-sizes), then exit")
+    parser.add_argument("--jobs", type=int, default=4, help="processes building FlashInfer's modules at once")
     args = parser.parse_args(argv)
     if args.warm_flashinfer:
-        return warm_flashinfer([128] + [int(d) for d in args.head_sizes.split(",") if d])
+        return warm_flashinfer([128] + [int(d) for d in args.head_sizes.split(",") if d], args.jobs)
     gen = torch.Generator(device="cuda").manual_seed(0)
     have_flashinfer = importlib.util.find_spec("flashinfer") is not None
     peers = [p for p in args.peers.split(",") if p] if have_flashinfer else []
@@ -273,12 +328,15 @@ def main(argv=None):
 
     prefill = [p for p in args.prefill.split(",") if p]
     if prefill:
-        lines += ["", "| causal prefill, 32/8 heads, head 128 | plugin fused ms | plugin dequant+fa3 ms | "
-                  "FlashInfer bf16 fa3 ms | fused / dequant+fa3 / bf16 TFLOP/s |", "| --- | ---: | ---: | ---: | --- |"]
+        lines += ["", "| causal prefill, 32/8 heads, head 128 | model features | plugin fused ms | "
+                  "plugin dequant+fa3 ms | FlashInfer bf16 fa3 ms | dequant+fa3 ÷ bf16 | "
+                  "fused / dequant+fa3 / bf16 TFLOP/s |", "| --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    feature_sets = [""] + [f for f in args.prefill_features.split(",") if f]
     for text in prefill:
-        lines.append(prefill_row(text, t, gen, have_flashinfer))
-        print(lines[-1], flush=True)
-        torch.cuda.empty_cache()
+        for feature_text in feature_sets:
+            lines.append(prefill_row(text, t, gen, have_flashinfer, feature_text))
+            print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
 
     text = "\n".join(lines)
     print(text)

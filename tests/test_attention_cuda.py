@@ -7,7 +7,7 @@ from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata, paged_attention, store_kv
 from vllm_nvfp4_plugin.attention.flashinfer_reader import (
     FlashInferNVFP4Decoder, cuda_paged_attention, flashinfer_decode_unavailable_reason, nvfp4_flashinfer_views,
-    plan_batch)
+    plan_batch, window_first_blocks)
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.tools.paged_case import PagedCase
 
@@ -41,6 +41,25 @@ def test_flashinfer_views_address_every_entry(hnd, head_size):
         packed, scales = reference.nvfp4_encode(x, g)
         assert torch.equal(data[blocks, offsets], packed)
         assert torch.equal(sf[blocks, offsets].view(torch.uint8), scales.view(torch.uint8))
+
+
+@pytest.mark.parametrize("window", [0, 1, 5, 16, 17, 100])
+def test_window_first_blocks_hold_the_first_visible_key(window):
+    """The dequantized prefill gathers from the block of the first key any of a request's queries sees: no block
+    before it holds a visible key, and it holds one."""
+    block = 16
+    requests = [(1, 1), (1, 40), (5, 5), (30, 33), (7, 160), (64, 1000), (100, 100)]  # (query_len, context_len)
+    query_lens = torch.tensor([n for n, _ in requests])
+    seq_lens = torch.tensor([c for _, c in requests], dtype=torch.int32)
+    first = window_first_blocks(query_lens, seq_lens, window, block)
+    for (n, c), b in zip(requests, first.tolist()):
+        queries = torch.arange(c - n, c)
+        keys = torch.arange(c)
+        visible = keys[None, :] <= queries[:, None]
+        if window:
+            visible &= keys[None, :] > queries[:, None] - window
+        first_key = int(keys[visible.any(0)].min())
+        assert b == first_key // block, (n, c, b, first_key)
 
 
 def test_head_64_and_cpu_are_not_flashinfer():

@@ -13,12 +13,12 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode
 
 from vllm_nvfp4_plugin import reference
-from vllm_nvfp4_plugin.attention.flashinfer_reader import FlashInferNVFP4Decoder
+from vllm_nvfp4_plugin.attention.flashinfer_reader import FlashInferNVFP4Decoder, dequant_prefill_unavailable_reason
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.tools.paged_case import PagedCase, relative_l2
 from vllm_nvfp4_plugin.vllm_adapter import common as adapter_common, register_attention_backends
 from vllm_nvfp4_plugin.vllm_adapter.cuda_backend import (NVFP4CudaBackend, NVFP4CudaMetadataBuilder,
-                                                         shared_decode_params)
+                                                         shared_decode_params, shared_prefill_features)
 from vllm_nvfp4_plugin.vllm_adapter.spec import page_view
 
 HOPPER = DeviceCapability(9, 0)
@@ -105,6 +105,18 @@ def test_decode_params_shared_by_the_group(vllm_config):
     assert shared_decode_params(vllm_config, same + [other]) is None
 
 
+def test_prefill_features_shared_by_the_group(vllm_config):
+    """The dequantized prefill plans one window and soft-cap per batch; sinks differ per layer freely."""
+    heads = 8
+    same = [attention_layer(vllm_config, per_layer_sliding_window=64, logits_soft_cap=30.0,
+                            sinks=torch.randn(heads)).layer_name for _ in range(2)]
+    assert shared_prefill_features(vllm_config, same) == (64, 30.0)
+    other = attention_layer(vllm_config, per_layer_sliding_window=128, logits_soft_cap=30.0).layer_name
+    assert shared_prefill_features(vllm_config, same + [other]) is None
+    plain = [attention_layer(vllm_config).layer_name]
+    assert shared_prefill_features(vllm_config, plain) == (0, 0.0)
+
+
 K_SCALE, V_SCALE = 0.75, 1.25
 
 
@@ -187,9 +199,10 @@ def backend_step(layer, builder, case: PagedCase, kv_cache: torch.Tensor, device
     {"per_layer_sliding_window": 9, "logits_soft_cap": 2.0, "sinks": True},
 ])
 def test_model_features_reach_the_kernel(vllm_config, features, device):
-    """A layer with a window, soft-cap or sinks: build → store → forward (on CUDA the plugin's kernel for the whole
-    batch, on CPU the core's CPU kernel) against the reference over the same pages, which applies the same
-    features; without them the output moves."""
+    """A layer with a window, soft-cap or sinks: build → store → forward (on CUDA the plugin's kernel for the
+    decode and, where FlashInfer's fa3 runs, dequantize + fa3 for the prompt and chunk, else the kernel; on CPU the
+    core's CPU kernel) against the reference over the same pages, which applies the same features; without them
+    the output moves."""
     gen = torch.Generator().manual_seed(len(features))
     heads, kv_heads, d, block = 4, 2, 64, 16
     requests = [(1, 45), (6, 38), (17, 17)]  # decode, chunk over a cached prefix, fresh prompt
@@ -200,6 +213,8 @@ def test_model_features_reach_the_kernel(vllm_config, features, device):
     spec = NVFP4CudaBackend.customize_spec(FullAttentionSpec(
         block_size=block, num_kv_heads=kv_heads, head_size=d, dtype=torch.uint8, kv_quant_mode=KVQuantMode.NVFP4))
     builder = NVFP4CudaMetadataBuilder(spec, [layer.layer_name], vllm_config, torch.device(device))
+    dequant_prefill = device == "cuda" and dequant_prefill_unavailable_reason(d, torch.device(device)) is None
+    assert (builder._prefill is not None) == dequant_prefill
     case = PagedCase(requests, NVFP4PageLayout(d, block, kv_heads), heads, gen)
     kv_cache = _vllm_layer_cache(case.num_blocks, kv_heads, block, spec.state_content_bytes, hnd=False).to(device)
     query, output, block_table, query_start, seq_lens = backend_step(layer, builder, case, kv_cache, device)

@@ -377,6 +377,50 @@ def test_kernel_batch_decodes_by_kernel_prefills_by_dequant():
     batch.check(out)
 
 
+DEQUANT_FEATURES = [{"sliding_window": 1}, {"sliding_window": 23}, {"sliding_window": 100},
+                    {"sliding_window": 5000}, {"logits_soft_cap": 3.0}, {"sinks": True},
+                    {"sliding_window": 37, "logits_soft_cap": 3.0, "sinks": True}]
+
+
+@pytest.mark.parametrize("features", DEQUANT_FEATURES, ids=lambda f: "+".join(f"{k}={v}" for k, v in f.items()))
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_kernel_batch_with_model_features(features, head_size):
+    """A layer's window, soft-cap and sinks through plan_kernel_batch: decodes by the kernel, prefills dequantized +
+    fa3 with its window and soft-cap, sinks from its log-sum-exp. The pages wholly before each request's window
+    are overwritten with 0xFF (NaN block scales) after the reference has read them: the gather skips them."""
+    pytest.importorskip("flashinfer")
+    from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata
+    from vllm_nvfp4_plugin.attention.flashinfer_reader import DequantPrefill, cuda_paged_attention, plan_kernel_batch
+
+    requests = [(1, 700), (1, 37), (40, 200), (7, 7), (64, 1100), (300, 2000)]
+    batch = Batch(requests, head_size=head_size, block_size=16, seed=head_size + len(features))
+    batch.scale = 4.0 / math.sqrt(head_size)  # logits of several units, so a cap of 3 bends them
+    features = dict(features)
+    if features.pop("sinks", False):
+        features["sinks"] = _sinks(batch.q_heads, head_size)
+    batch.features = features
+    ref = batch.reference()
+    window = features.get("sliding_window", 0)
+    if window:
+        for r, (n, c) in enumerate(requests):
+            first_visible = max(0, c - n - window + 1)
+            batch.pages[batch.block_table[r, :first_visible // 16].long()] = 0xFF
+    metadata = NVFP4AttentionMetadata(batch.query_start_loc, batch.seq_lens, batch.block_table,
+                                      torch.empty(0, dtype=torch.int64, device="cuda"), True, 300, 2000)
+    plan = plan_kernel_batch(metadata, batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
+                             DequantPrefill(torch.device("cuda")), batch.q_heads, batch.layout.num_heads, head_size,
+                             batch.scale, block_size=16, sliding_window=window,
+                             logits_soft_cap=features.get("logits_soft_cap", 0.0))
+    assert plan.num_decode_tokens == 2
+    out = torch.full_like(batch.query, float("nan"))
+    cuda_paged_attention(batch.query, batch.cache, plan, batch.scale, batch.k_scale, batch.v_scale, 0.75, 1.25, out,
+                         **features)
+    batch.check(out, ref)
+    with pytest.raises(ValueError, match="planned for"):
+        cuda_paged_attention(batch.query, batch.cache, plan, batch.scale, batch.k_scale, batch.v_scale, 0.75, 1.25,
+                             out, sliding_window=window + 1)
+
+
 @pytest.mark.parametrize("head_size", [128, 256])
 def test_kernel_batch_with_fa2_decodes(head_size):
     """The "fa2" reader on SM90: leading decodes through FlashInfer fa2, the rest dequantized + fa3."""

@@ -13,7 +13,8 @@ Decode readers (`CUDA_READERS`, "plugin" the default):
 
 Prefills go to `DequantPrefill` where it runs (SM90 with FlashInfer): the requests' pages dequantized into a reused
 bf16/fp16 workspace (the gather op), then FlashInfer's fa3 ragged prefill, measured at about bf16 speed and 6× the
-fused kernel's; elsewhere to the kernel ("plugin") or the attention core ("fa2").
+fused kernel's, sliding windows, soft-caps and sinks included (the pages before a window are not gathered); elsewhere
+to the kernel ("plugin") or the attention core ("fa2").
 
 Both readers take linear V scales: the cache is stored with `SWIZZLE_V_SCALES` (False).
 """
@@ -21,6 +22,7 @@ Both readers take linear V scales: the cache is stored with `SWIZZLE_V_SCALES` (
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ CUDA_READERS = ("plugin", "fa2")
 FA2_NVFP4_HEAD_SIZES = (128, 256)  # fa2 misreads NVFP4 at head 64
 FA2_NVFP4_ARCH_MAJORS = (8, 9, 12)  # SM8x, SM90, SM12x read NVFP4 with fa2 (SM100 uses trtllm-gen)
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended split-k workspace
+LOG2E = math.log2(math.e)
 
 
 def flashinfer_decode_unavailable_reason(head_size: int, device: torch.device) -> str | None:
@@ -233,9 +236,25 @@ def dequant_prefill_unavailable_reason(head_size: int, device: torch.device) -> 
     return None
 
 
+def window_first_blocks(query_lens: torch.Tensor, seq_lens: torch.Tensor, sliding_window: int,
+                        block_size: int) -> torch.Tensor:
+    """Per request, the first block holding a key that one of its queries sees through `sliding_window` (0: no
+    window): the query at position p sees keys after p - window, and the first query sits at seq_len - query_len.
+    The blocks before it are the ones vLLM frees for a sliding-window layer."""
+    if sliding_window <= 0:
+        return torch.zeros_like(seq_lens, dtype=torch.int64)
+    first_visible = (seq_lens.to(torch.int64) - query_lens.to(torch.int64) - sliding_window + 1).clamp(min=0)
+    return first_visible // block_size
+
+
 class DequantPrefill:
     """Prefill as dequantize-to-bf16/fp16 (the gather op, into a reused workspace) + FlashInfer fa3 ragged prefill;
-    plans on host lengths (once per batch, for every layer)."""
+    plans on host lengths (once per batch, for every layer of a group).
+
+    The model features ride on fa3: a sliding window as its `window_left`, with the pages wholly before a
+    request's window left out of the gather (`visible_table`: never read, and the gather moves only the window); a
+    logit soft-cap as its soft-cap variant; sinks after the kernel, from its log-sum-exp: a sink logit z joins the
+    softmax's denominator, so each output row is scaled by 1 / (1 + 2^(z·log2 e - lse))."""
 
     def __init__(self, device: torch.device, workspace_bytes: int = WORKSPACE_BYTES):
         import flashinfer
@@ -246,36 +265,65 @@ class DequantPrefill:
         self._kv = HalfWorkspace()
         self._cu_seq_lens: torch.Tensor | None = None
         self._num_kv_tokens = 0
+        self._first_blocks: torch.Tensor | None = None
 
     def plan(self, query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, num_q_heads: int,
              num_kv_heads: int, head_size: int, causal: bool, sm_scale: float,
-             q_dtype: torch.dtype = torch.bfloat16) -> None:
+             q_dtype: torch.dtype = torch.bfloat16, *, sliding_window: int = 0, logits_soft_cap: float = 0.0,
+             block_size: int = 0) -> None:
+        """`sliding_window` > 0 (causal only) needs the cache's `block_size`."""
+        if sliding_window > 0 and (not causal or block_size <= 0):
+            raise ValueError(f"sliding_window needs causal attention and a positive block_size, got causal={causal}, "
+                             f"block_size={block_size}")
+        query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+        first_blocks = window_first_blocks(query_lens, seq_lens_cpu, sliding_window, block_size)
+        kv_lens = seq_lens_cpu.to(torch.int64) - first_blocks * block_size
         kv_indptr = torch.zeros(seq_lens_cpu.numel() + 1, dtype=torch.int32)
-        kv_indptr[1:] = torch.cumsum(seq_lens_cpu.to(torch.int64), 0)
+        kv_indptr[1:] = torch.cumsum(kv_lens, 0)
         self._num_kv_tokens = int(kv_indptr[-1])
         self._num_q_tokens = int(query_start_loc_cpu[-1])
         self._cu_seq_lens = kv_indptr.to(self.device, non_blocking=True)
+        self._first_blocks = (first_blocks.to(self.device, non_blocking=True) if sliding_window > 0 else None)
         self._wrapper.plan(query_start_loc_cpu.to(torch.int32), kv_indptr, num_q_heads, num_kv_heads, head_size,
-                           causal=causal, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=q_dtype)
+                           causal=causal, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=q_dtype,
+                           window_left=sliding_window - 1 if sliding_window > 0 else -1,
+                           logits_soft_cap=logits_soft_cap)
         self._heads = (num_kv_heads, head_size)
         self._dtype = q_dtype
+        self.features = (sliding_window, logits_soft_cap)
+
+    def visible_table(self, block_table: torch.Tensor) -> torch.Tensor:
+        """The planned requests' block-table rows starting at the first block their windows reach (the same rows
+        without a window); once per batch, on the device."""
+        if self._first_blocks is None:
+            return block_table
+        width = block_table.size(1)
+        columns = (self._first_blocks[:, None] + torch.arange(width, device=block_table.device)).clamp(max=width - 1)
+        return block_table.gather(1, columns)
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, k_scale: torch.Tensor,
-            v_scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            v_scale: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """`block_table`: `visible_table` of the planned requests' rows; `sinks`: float32 `[num_q_heads]` or None."""
         if self._cu_seq_lens is None:
             raise RuntimeError("DequantPrefill.run called before plan")
         key, value = self._kv.get(self._num_kv_tokens, *self._heads, self.device, self._dtype)
         ops.gather_nvfp4_kv_cache(*cache_sides(kv_cache), block_table, self._cu_seq_lens, k_scale, v_scale,
                                   SWIZZLE_V_SCALES, key, value)
         n = self._num_q_tokens
-        return self._wrapper.run(query[:n], key, value, out=out[:n])
+        if sinks is None:
+            return self._wrapper.run(query[:n], key, value, out=out[:n])
+        _, lse = self._wrapper.run(query[:n], key, value, out=out[:n], return_lse=True)  # log2 units
+        keep = torch.reciprocal(1.0 + torch.exp2(sinks.to(torch.float32) * LOG2E - lse))
+        torch.mul(out[:n], keep.unsqueeze(-1), out=out[:n])
+        return out[:n]
 
 
 @dataclass
 class KernelBatch:
     """A batch with prefills: the leading decode requests (query rows below `num_decode_tokens`) through the
     kernel (`decodes`) or FlashInfer's fa2 (`decoder`, planned), the other requests (block-table rows
-    `prefill_block_table`) through `prefill`, a planned `DequantPrefill`."""
+    `prefill_block_table`, from the first block their windows reach) through `prefill`, a planned
+    `DequantPrefill`, whose `features` (sliding window, soft-cap) are the layers'."""
 
     decodes: NVFP4AttentionMetadata | None
     num_decode_tokens: int
@@ -287,9 +335,15 @@ class KernelBatch:
 def plan_kernel_batch(metadata: NVFP4AttentionMetadata, query_start_loc_cpu: torch.Tensor,
                       seq_lens_cpu: torch.Tensor, prefill: DequantPrefill, num_q_heads: int, num_kv_heads: int,
                       head_size: int, sm_scale: float, q_dtype: torch.dtype = torch.bfloat16,
-                      decoder: FlashInferNVFP4Decoder | None = None, block_size: int = 0) -> KernelBatch:
+                      decoder: FlashInferNVFP4Decoder | None = None, block_size: int = 0, *,
+                      sliding_window: int = 0, logits_soft_cap: float = 0.0) -> KernelBatch:
     """Split a batch whose decode requests come first (vLLM reorders them so) and plan `prefill` for the rest;
-    the decodes go to the kernel, or to `decoder` (planned here, pages of `block_size` tokens) when given."""
+    the decodes go to the kernel, or to `decoder` (planned here) when given. `block_size`: the cache's pages, for
+    `decoder` and `sliding_window`. The layers' window and soft-cap are planned into `prefill` (the kernel takes
+    them, and sinks, at run time); FlashInfer's fa2 decode takes none of them."""
+    if decoder is not None and (sliding_window or logits_soft_cap):
+        raise ValueError("FlashInfer's fa2 decode takes no sliding_window or logits_soft_cap: plan the decodes for "
+                         "the plugin's kernel (decoder=None)")
     query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
@@ -305,8 +359,10 @@ def plan_kernel_batch(metadata: NVFP4AttentionMetadata, query_start_loc_cpu: tor
             causal=metadata.causal, max_query_len=1, max_seq_len=metadata.max_seq_len)
     starts = query_start_loc_cpu[num_decodes:metadata.num_reqs + 1]
     prefill.plan(starts - starts[0], seq_lens_cpu[num_decodes:metadata.num_reqs], num_q_heads, num_kv_heads,
-                 head_size, metadata.causal, sm_scale, q_dtype)
-    return KernelBatch(decodes, num_decodes, prefill, metadata.block_table[num_decodes:metadata.num_reqs],
+                 head_size, metadata.causal, sm_scale, q_dtype, sliding_window=sliding_window,
+                 logits_soft_cap=logits_soft_cap, block_size=block_size)
+    return KernelBatch(decodes, num_decodes, prefill,
+                       prefill.visible_table(metadata.block_table[num_decodes:metadata.num_reqs]),
                        decoder if num_decodes else None)
 
 
@@ -322,22 +378,25 @@ def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     dequantize + fa3 for the prefills) or a `CudaBatch` planned for the "fa2" reader. The global
     dequant scales come twice: as float32 device tensors for the plugin's ops and as floats for FlashInfer (which
     folds them into its softmax scale and output). The model features (sliding window, soft-cap, float32 sinks)
-    are the plugin kernel's and the CPU core's: a batch planned for FlashInfer refuses them.
+    are served by the plugin's kernel, the core, and a `KernelBatch` whose prefill was planned with the same window
+    and soft-cap; FlashInfer's fa2 decode refuses them.
     """
     features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap, "sinks": sinks}
     if isinstance(batch, NVFP4AttentionMetadata):
         return plugin_paged_attention(query, kv_cache, batch, scale, k_scale, v_scale, out, **features)
-    if sliding_window or logits_soft_cap or sinks is not None:
-        if isinstance(batch, KernelBatch) or batch.decoder is not None:
-            raise ValueError("sliding_window, logits_soft_cap and sinks need a batch planned for the plugin's kernel "
-                             "(core metadata), not for FlashInfer")
+    if (sliding_window or logits_soft_cap or sinks is not None) and batch.decoder is not None:
+        raise ValueError("sliding_window, logits_soft_cap and sinks need the plugin's kernel for decodes, not "
+                         "FlashInfer's fa2")
     if isinstance(batch, KernelBatch):
+        if batch.prefill.features != (sliding_window, logits_soft_cap):
+            raise ValueError(f"the prefill was planned for (sliding_window, logits_soft_cap) = "
+                             f"{batch.prefill.features}, but the layer has ({sliding_window}, {logits_soft_cap})")
         n = batch.num_decode_tokens
         if batch.decoder is not None:
             batch.decoder.run(query[:n], *cache_sides(kv_cache), k_scale_float, v_scale_float, out[:n])
         elif batch.decodes is not None:
-            plugin_paged_attention(query[:n], kv_cache, batch.decodes, scale, k_scale, v_scale, out[:n])
-        batch.prefill.run(query[n:], kv_cache, batch.prefill_block_table, k_scale, v_scale, out[n:])
+            plugin_paged_attention(query[:n], kv_cache, batch.decodes, scale, k_scale, v_scale, out[:n], **features)
+        batch.prefill.run(query[n:], kv_cache, batch.prefill_block_table, k_scale, v_scale, out[n:], sinks)
         return out
     n = batch.num_decodes
     if n:

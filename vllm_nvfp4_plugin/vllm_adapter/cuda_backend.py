@@ -15,10 +15,12 @@ variable `VLLM_NVFP4_CUDA_READER` (`resolved_reader`):
 Batches with prefills (eager) send their prefills to `DequantPrefill` (pages dequantized to bf16, FlashInfer fa3,
 about bf16 speed) where it runs (SM90 with FlashInfer); else to the kernel ("plugin") or the attention core.
 
-Layers with a sliding window, a logit soft-cap or attention sinks (Gemma 2/3, gpt-oss, Mistral-style windows) are
-served by the plugin's kernel alone, decode and prefill, whatever the reader: FlashInfer's NVFP4 paths do not take
-sinks. A sliding-window layer keeps vLLM's `SlidingWindowSpec`, packed as an NVFP4 page, so vLLM frees the pages
-that leave the window. ALiBi is refused at engine start.
+Layers with a sliding window, a logit soft-cap or attention sinks (Gemma 2/3, gpt-oss, Mistral-style windows) decode
+through the plugin's kernel whatever the reader (FlashInfer's NVFP4 decode takes none of them), and prefill through
+`DequantPrefill` with fa3's window and soft-cap and the sinks applied from its log-sum-exp, where it runs and the
+group's layers share one window and soft-cap (else through the kernel). A sliding-window layer keeps vLLM's
+`SlidingWindowSpec`, packed as an NVFP4 page, so vLLM frees the pages that leave the window; neither path reads
+them. ALiBi is refused at engine start.
 
 V scales are stored linear, the order every reader reads.
 """
@@ -140,16 +142,25 @@ def shared_decode_params(vllm_config: VllmConfig, layer_names: list[str]) -> tup
 
 
 def group_uses_model_features(vllm_config: VllmConfig, layer_names: list[str]) -> bool:
-    """Whether any of the group's layers has a sliding window, a logit soft-cap or sinks (the kernel's alone)."""
+    """Whether any of the group's layers has a sliding window, a logit soft-cap or sinks."""
     layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
     return any(layer.impl.model_features for layer in layers.values())
+
+
+def shared_prefill_features(vllm_config: VllmConfig, layer_names: list[str]) -> tuple[int, float] | None:
+    """(sliding window, soft-cap) shared by a KV-cache group's layers, which `DequantPrefill` plans once per batch
+    for all of them (sinks it takes at run time, per layer); None if the layers disagree."""
+    layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+    features = {(layer.impl.sliding_window, layer.impl.logits_soft_cap) for layer in layers.values()}
+    return features.pop() if len(features) == 1 else None
 
 
 class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch | NVFP4AttentionMetadata]):
     """Core metadata for every batch, planned for the resolved reader: the plugin's kernel needs nothing more;
     fa2 is planned for the batch's leading decode requests; prefills are planned for `DequantPrefill` where it
     runs. Off CUDA (or when fa2 cannot read the head size and "fa2" was asked for) the core serves every request.
-    A group whose layers use model features runs every batch through the kernel (the core off CUDA)."""
+    A group whose layers use model features decodes through the kernel, and prefills through `DequantPrefill`
+    planned with the layers' shared window and soft-cap (through the kernel if they differ)."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):
@@ -162,14 +173,15 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
         self._decoder: FlashInferNVFP4Decoder | None = None
         self._decode_params: tuple[int, torch.dtype, float] | None = None
         self._prefill: DequantPrefill | None = None
+        self._prefill_features: tuple[int, float] | None = (0, 0.0)  # (sliding window, soft-cap) of the group
         if self._reader == "core":
             logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the core (device %s)", device)
             return
         if group_uses_model_features(vllm_config, layer_names):
             self._reader = "plugin"
-            logger.info_once("vllm_nvfp4_plugin: layers %s use a sliding window, soft-cap or sinks: decode and "
-                             "prefill through the plugin's CUDA kernel", ", ".join(layer_names))
-            return
+            self._prefill_features = shared_prefill_features(vllm_config, layer_names)
+            logger.info_once("vllm_nvfp4_plugin: layers %s use a sliding window, soft-cap or sinks: decode through "
+                             "the plugin's CUDA kernel", ", ".join(layer_names))
         key_format = spec_key_format(kv_cache_spec)
         if self._reader == "fa2" and key_format != "nvfp4":
             self._reader = "plugin"
@@ -180,7 +192,7 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
         needs_params = (self._reader == "fa2" and fa2_reason is None) or prefill_reason is None
         if needs_params:  # FlashInfer plans once per batch for all the group's layers
             self._decode_params = shared_decode_params(vllm_config, layer_names)
-        if self._decode_params is not None and prefill_reason is None:
+        if self._decode_params is not None and prefill_reason is None and self._prefill_features is not None:
             self._prefill = DequantPrefill(device)
         if self._reader == "fa2" and (fa2_reason is not None or self._decode_params is None):
             self._reader = "core"
@@ -213,10 +225,12 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
         spec = self.kv_cache_spec
         if self._prefill is not None and common_attn_metadata.max_query_len > 1:
             num_q_heads, q_dtype, sm_scale = self._decode_params
+            sliding_window, logits_soft_cap = self._prefill_features
             return plan_kernel_batch(metadata, common_attn_metadata.query_start_loc_cpu,
                                      self._seq_lens_cpu(common_attn_metadata), self._prefill, num_q_heads,
                                      spec.num_kv_heads, spec.head_size, sm_scale, q_dtype, self._decoder,
-                                     spec.block_size)
+                                     spec.block_size, sliding_window=sliding_window,
+                                     logits_soft_cap=logits_soft_cap)
         if self._reader == "plugin":
             return metadata
         num_q_heads, q_dtype, sm_scale = self._decode_params
