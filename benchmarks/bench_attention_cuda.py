@@ -184,14 +184,14 @@ def warm_module(task: tuple) -> str:
     return " ".join(map(str, task))
 
 
-def warm_flashinfer(head_sizes: list[int], jobs: int) -> None:
-    """Builds FlashInfer's JIT modules this benchmark and the tests use (bf16/fp8/NVFP4 decode; fa3 prefill, plain,
-    windowed and soft-capped) in `jobs` processes; needs no plugin extension, so it can run while the extension
-    builds."""
+def warm_flashinfer(head_sizes: list[int], jobs: int, decode: bool) -> None:
+    """Builds FlashInfer's JIT modules this benchmark and the tests use (bf16/fp8/NVFP4 decode if `decode`; fa3
+    prefill, plain, windowed and soft-capped) in `jobs` processes; needs no plugin extension, so it can run while
+    the extension builds."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
-    tasks = [("decode", head, kv_dtype) for head in head_sizes
+    tasks = [("decode", head, kv_dtype) for head in head_sizes if decode
              for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8) if head == 128 or kv_dtype == torch.bfloat16]
     tasks += [("prefill", head, window, cap) for head in head_sizes for window, cap in PREFILL_VARIANTS]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -276,11 +276,12 @@ def main(argv=None):
     parser.add_argument("--once", action="store_true",
                         help="call the plugin's decode once per shape, eagerly, and time nothing (for a profiler)")
     parser.add_argument("--warm-flashinfer", action="store_true",
-                        help="only build FlashInfer's JIT modules for these head sizes (128 and --head-sizes), then exit")
+                        help="only build FlashInfer's JIT modules for these head sizes (128 and --head-sizes; decode "
+                             "modules unless --peers is ''), then exit")
     parser.add_argument("--jobs", type=int, default=4, help="processes building FlashInfer's modules at once")
     args = parser.parse_args(argv)
     if args.warm_flashinfer:
-        return warm_flashinfer([128] + [int(d) for d in args.head_sizes.split(",") if d], args.jobs)
+        return warm_flashinfer([128] + [int(d) for d in args.head_sizes.split(",") if d], args.jobs, bool(args.peers))
     gen = torch.Generator(device="cuda").manual_seed(0)
     have_flashinfer = importlib.util.find_spec("flashinfer") is not None
     peers = [p for p in args.peers.split(",") if p] if have_flashinfer else []
