@@ -297,7 +297,7 @@ def main(argv=None):
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.decode.split(",") if s]
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",") if h]
     cases = [(b, l, hq, hkv, 128) for hq, hkv in heads for b, l in shapes]
-    cases += [(*shapes[0], *heads[0], int(d)) for d in args.head_sizes.split(",") if d]
+    cases += [(*shapes[0], *heads[0], int(d)) for d in args.head_sizes.split(",") if d and shapes]
     for b, l, hq, hkv, d in cases:
         case = Case([(1, l)] * b, hq, hkv, d, gen)
         if args.once:
