@@ -7,7 +7,7 @@ from vllm_nvfp4_plugin import reference
 from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata, paged_attention, store_kv
 from vllm_nvfp4_plugin.attention.flashinfer_reader import (
     FlashInferNVFP4Decoder, cuda_paged_attention, flashinfer_decode_unavailable_reason, nvfp4_flashinfer_views,
-    plan_batch, window_first_blocks)
+    add_sinks, plan_batch, window_first_blocks)
 from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 from vllm_nvfp4_plugin.tools.paged_case import PagedCase
 
@@ -60,6 +60,26 @@ def test_window_first_blocks_hold_the_first_visible_key(window):
             visible &= keys[None, :] > queries[:, None] - window
         first_key = int(keys[visible.any(0)].min())
         assert b == first_key // block, (n, c, b, first_key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_sinks_matches_a_softmax_with_a_sink_column(dtype):
+    """Rows normalized over the keys alone plus their log2 log-sum-exp (what fa3 returns), then add_sinks, equal
+    attention whose softmax has each head's sink logit as one more column, dropped from the output."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, heads, keys, d = 5, 4, 9, 16
+    logits = torch.randn(tokens, heads, keys, generator=gen) * 3
+    values = torch.randn(keys, heads, d, generator=gen)
+    sinks = torch.randn(heads, generator=gen) * 2
+    sinks[0] += 6.0  # a head whose sink outweighs every key
+    out = torch.einsum("thk,khd->thd", logits.softmax(-1), values).to(dtype)
+    lse = torch.logsumexp(logits, -1) / torch.log(torch.tensor(2.0))
+    with_sink = torch.cat([logits, sinks.view(1, heads, 1).expand(tokens, heads, 1)], -1).softmax(-1)[..., :keys]
+    want = torch.einsum("thk,khd->thd", with_sink, values)
+    got = add_sinks(out, lse, sinks)
+    assert got.data_ptr() == out.data_ptr()
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), want, rtol=tol, atol=tol)
 
 
 def test_head_64_and_cpu_are_not_flashinfer():

@@ -247,14 +247,22 @@ def window_first_blocks(query_lens: torch.Tensor, seq_lens: torch.Tensor, slidin
     return first_visible // block_size
 
 
+def add_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Joins per-head sink logits to finished attention rows in place: `out` `[tokens, heads, head_size]` normalized
+    over the keys alone, `lse` `[tokens, heads]` their log-sum-exp in log2 units (fa3's), `sinks` `[heads]` in natural
+    units. A sink z adds 2^(z·log2 e) to the softmax's denominator, so each row is scaled by
+    1 / (1 + 2^(z·log2 e - lse))."""
+    keep = torch.reciprocal(1.0 + torch.exp2(sinks.to(torch.float32) * LOG2E - lse))
+    return torch.mul(out, keep.unsqueeze(-1), out=out)
+
+
 class DequantPrefill:
     """Prefill as dequantize-to-bf16/fp16 (the gather op, into a reused workspace) + FlashInfer fa3 ragged prefill;
     plans on host lengths (once per batch, for every layer of a group).
 
     The model features ride on fa3: a sliding window as its `window_left`, with the pages wholly before a
     request's window left out of the gather (`visible_table`: never read, and the gather moves only the window); a
-    logit soft-cap as its soft-cap variant; sinks after the kernel, from its log-sum-exp: a sink logit z joins the
-    softmax's denominator, so each output row is scaled by 1 / (1 + 2^(z·log2 e - lse))."""
+    logit soft-cap as its soft-cap variant; sinks after the kernel, from its log-sum-exp (`add_sinks`)."""
 
     def __init__(self, device: torch.device, workspace_bytes: int = WORKSPACE_BYTES):
         import flashinfer
@@ -312,10 +320,8 @@ class DequantPrefill:
         n = self._num_q_tokens
         if sinks is None:
             return self._wrapper.run(query[:n], key, value, out=out[:n])
-        _, lse = self._wrapper.run(query[:n], key, value, out=out[:n], return_lse=True)  # log2 units
-        keep = torch.reciprocal(1.0 + torch.exp2(sinks.to(torch.float32) * LOG2E - lse))
-        torch.mul(out[:n], keep.unsqueeze(-1), out=out[:n])
-        return out[:n]
+        _, lse = self._wrapper.run(query[:n], key, value, out=out[:n], return_lse=True)
+        return add_sinks(out[:n], lse, sinks)
 
 
 @dataclass
