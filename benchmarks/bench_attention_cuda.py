@@ -5,7 +5,8 @@ Decode (one query token a request, FlashInfer's tensor-core decode for the peers
 each --prefill case as `[count×]query_len[+cached]` (e.g. `4x8192`, `2048+30720` = a 2,048-token chunk after
 30,720 cached tokens), the plugin's fused kernel and its dequantize-to-bf16 + FlashInfer fa3 path against FlashInfer
 bf16 fa3 prefill over the same lengths; --prefill-features adds rows with a layer's model features (sliding window,
-logit soft-cap, sinks), the bf16 peer planned with the same window and soft-cap.
+logit soft-cap, sinks), the bf16 peer planned with the same window and soft-cap, and the same sinks through fa3's
+sink variant where there is no soft-cap (that variant has none).
 
 Times: medians of CUDA-event timings of a CUDA graph replaying each call --calls times (launch overhead out),
 caches of random bytes (no E4M3 NaN scale) in shuffled pages, 16-token pages. `floor` is the bytes the call must
@@ -28,7 +29,9 @@ import sys
 
 import torch
 
-from vllm_nvfp4_plugin.layout import NVFP4PageLayout  # plain torch: no extension needed for --warm-flashinfer
+# Plain torch and FlashInfer: --warm-flashinfer needs no extension.
+from vllm_nvfp4_plugin.flashinfer_variants import fa3_sink_jit_args
+from vllm_nvfp4_plugin.layout import NVFP4PageLayout
 
 from cuda_timing import capture_graph, event_median_ms
 
@@ -138,35 +141,47 @@ def flashinfer_nvfp4_decode(case: Case):
     return lambda: decoder.run(case.query, case.cache[:, 0], case.cache[:, 1], 1.0, 1.0, case.out)
 
 
-def flashinfer_ragged_prefill(case: Case, sliding_window=0, logits_soft_cap=0.0):
-    """FlashInfer's fa3 ragged prefill planned for the case (with its window and soft-cap); returns run(k, v)."""
+def fa3_ragged_wrapper(ws: torch.Tensor, head: int, window: int, sinks: bool):
+    """FlashInfer's fa3 ragged prefill wrapper, its sink variant if `sinks`."""
     import flashinfer
 
+    jit = dict(zip(("jit_args", "jit_kwargs"), fa3_sink_jit_args(torch.bfloat16, head, window > 0))) if sinks else {}
+    return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3", **jit)
+
+
+def flashinfer_ragged_prefill(case: Case, sliding_window=0, logits_soft_cap=0.0, sinks=None):
+    """FlashInfer's fa3 ragged prefill planned for the case (with its window, soft-cap, and `sinks` through the sink
+    variant); returns run(k, v)."""
     ws = torch.empty(FLASHINFER_WORKSPACE, dtype=torch.uint8, device="cuda")
-    wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+    wrapper = fa3_ragged_wrapper(ws, case.head, sliding_window, sinks is not None)
     wrapper.plan(case.qo_indptr, case.kv_indptr, case.q_heads, case.kv_heads, case.head, causal=True,
                  sm_scale=case.scale, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
                  window_left=sliding_window - 1 if sliding_window else -1, logits_soft_cap=logits_soft_cap)
+    if sinks is not None:
+        return lambda k, v: wrapper.run(case.query, k, v, sinks, case.scale, out=case.out)
     return lambda k, v: wrapper.run(case.query, k, v, out=case.out)
 
 
-PREFILL_VARIANTS = ((0, 0.0), (128, 0.0), (0, 30.0), (128, 30.0))  # (window, soft-cap): fa3 builds one module each
+# (window, soft-cap, sinks): fa3 builds one module each
+PREFILL_VARIANTS = ((0, 0.0, False), (128, 0.0, False), (0, 30.0, False), (128, 30.0, False), (0, 0.0, True),
+                    (128, 0.0, True))
 
 
 def warm_module(task: tuple) -> str:
     """Builds one FlashInfer JIT module on a tiny shape: ("decode", head, kv dtype) or ("prefill", head, window,
-    soft-cap)."""
+    soft-cap, sinks)."""
     import flashinfer
 
     ws = torch.empty(FLASHINFER_WORKSPACE, dtype=torch.uint8, device="cuda")
     if task[0] == "prefill":
-        _, head, window, cap = task
-        w = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, "NHD", backend="fa3")
+        _, head, window, cap, sinks = task
+        w = fa3_ragged_wrapper(ws, head, window, sinks)
         w.plan(torch.tensor([0, 4], dtype=torch.int32), torch.tensor([0, 4], dtype=torch.int32), 8, 2, head,
                causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
                window_left=window - 1 if window else -1, logits_soft_cap=cap)
         kv = torch.zeros(4, 2, head, dtype=torch.bfloat16, device="cuda")
-        w.run(torch.zeros(4, 8, head, dtype=torch.bfloat16, device="cuda"), kv, kv)
+        sink_args = (torch.zeros(8, device="cuda"), 1.0) if sinks else ()
+        w.run(torch.zeros(4, 8, head, dtype=torch.bfloat16, device="cuda"), kv, kv, *sink_args)
     else:
         _, head, kv_dtype = task
         indptr, last = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
@@ -186,14 +201,14 @@ def warm_module(task: tuple) -> str:
 
 def warm_flashinfer(head_sizes: list[int], jobs: int, decode: bool) -> None:
     """Builds FlashInfer's JIT modules this benchmark and the tests use (bf16/fp8/NVFP4 decode if `decode`; fa3
-    prefill, plain, windowed and soft-capped) in `jobs` processes; needs no plugin extension, so it can run while
+    prefill, plain, windowed, soft-capped and with sinks) in `jobs` processes; needs no plugin extension, so it can run while
     the extension builds."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 
     tasks = [("decode", head, kv_dtype) for head in head_sizes if decode
              for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.uint8) if head == 128 or kv_dtype == torch.bfloat16]
-    tasks += [("prefill", head, window, cap) for head in head_sizes for window, cap in PREFILL_VARIANTS]
+    tasks += [("prefill", head, *variant) for head in head_sizes for variant in PREFILL_VARIANTS]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         for built in pool.map(warm_module, tasks):
             print("FlashInfer module built:", built, flush=True)
@@ -221,7 +236,8 @@ def parse_features(text: str) -> dict:
 
 def prefill_row(text: str, t, gen, have_flashinfer: bool, feature_text: str = "") -> str:
     """One causal prefill case: the fused kernel, dequantize + fa3, FlashInfer bf16 fa3 (same lengths, same window
-    and soft-cap; the bf16 peer runs without the sinks, which cost the plugin one pass over the output)."""
+    and soft-cap, the same sinks through fa3's sink variant; with a soft-cap too the bf16 peer runs without the
+    sinks, which cost the plugin one pass over the output)."""
     count, rest = parse_shape(text)
     n, _, cached = rest.partition("+")
     n, cached = int(n), int(cached or 0)
@@ -238,12 +254,12 @@ def prefill_row(text: str, t, gen, have_flashinfer: bool, feature_text: str = ""
         from vllm_nvfp4_plugin.attention.flashinfer_reader import DequantPrefill
 
         dequant = DequantPrefill(torch.device("cuda"))
-        dequant.plan(case.qo_indptr, case.kv_indptr[1:] - case.kv_indptr[:-1], 32, 8, 128, True, case.scale,
-                     sliding_window=window, logits_soft_cap=cap, block_size=BLOCK_SIZE)
-        table = dequant.visible_table(case.table)
         sinks = features.get("sinks")
+        dequant.plan(case.qo_indptr, case.kv_indptr[1:] - case.kv_indptr[:-1], 32, 8, 128, True, case.scale,
+                     sliding_window=window, logits_soft_cap=cap, sinks=sinks is not None, block_size=BLOCK_SIZE)
+        table = dequant.visible_table(case.table)
         ms = t(lambda: dequant.run(case.query, case.cache, table, case.k_scale, case.v_scale, case.out, sinks))
-        run = flashinfer_ragged_prefill(case, window, cap)
+        run = flashinfer_ragged_prefill(case, window, cap, None if cap else sinks)
         shape = (int(case.kv_indptr[-1]), 8, 128)
         ref_k = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)
         ref_v = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen)

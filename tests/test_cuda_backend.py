@@ -106,15 +106,18 @@ def test_decode_params_shared_by_the_group(vllm_config):
 
 
 def test_prefill_features_shared_by_the_group(vllm_config):
-    """The dequantized prefill plans one window and soft-cap per batch; sinks differ per layer freely."""
+    """The dequantized prefill plans one window, soft-cap and sink switch per batch (fa3 compiles each as a variant);
+    the sink values differ per layer freely."""
     heads = 8
     same = [attention_layer(vllm_config, per_layer_sliding_window=64, logits_soft_cap=30.0,
                             sinks=torch.randn(heads)).layer_name for _ in range(2)]
-    assert shared_prefill_features(vllm_config, same) == (64, 30.0)
+    assert shared_prefill_features(vllm_config, same) == (64, 30.0, True)
     other = attention_layer(vllm_config, per_layer_sliding_window=128, logits_soft_cap=30.0).layer_name
     assert shared_prefill_features(vllm_config, same + [other]) is None
+    no_sinks = attention_layer(vllm_config, per_layer_sliding_window=64, logits_soft_cap=30.0).layer_name
+    assert shared_prefill_features(vllm_config, same + [no_sinks]) is None
     plain = [attention_layer(vllm_config).layer_name]
-    assert shared_prefill_features(vllm_config, plain) == (0, 0.0)
+    assert shared_prefill_features(vllm_config, plain) == (0, 0.0, False)
 
 
 K_SCALE, V_SCALE = 0.75, 1.25
@@ -196,6 +199,7 @@ def backend_step(layer, builder, case: PagedCase, kv_cache: torch.Tensor, device
     {"per_layer_sliding_window": 20},
     {"logits_soft_cap": 2.0},
     {"sinks": True},
+    {"per_layer_sliding_window": 20, "sinks": True},
     {"per_layer_sliding_window": 9, "logits_soft_cap": 2.0, "sinks": True},
 ])
 def test_model_features_reach_the_kernel(vllm_config, features, device):

@@ -379,6 +379,7 @@ def test_kernel_batch_decodes_by_kernel_prefills_by_dequant():
 
 DEQUANT_FEATURES = [{"sliding_window": 1}, {"sliding_window": 23}, {"sliding_window": 100},
                     {"sliding_window": 5000}, {"logits_soft_cap": 3.0}, {"sinks": True},
+                    {"sliding_window": 100, "sinks": True},
                     {"sliding_window": 37, "logits_soft_cap": 3.0, "sinks": True}]
 
 
@@ -386,8 +387,9 @@ DEQUANT_FEATURES = [{"sliding_window": 1}, {"sliding_window": 23}, {"sliding_win
 @pytest.mark.parametrize("head_size", [64, 128])
 def test_kernel_batch_with_model_features(features, head_size):
     """A layer's window, soft-cap and sinks through plan_kernel_batch: decodes by the kernel, prefills dequantized +
-    fa3 with its window and soft-cap, sinks from its log-sum-exp. The pages wholly before each request's window
-    are overwritten with 0xFF (NaN block scales) after the reference has read them: the gather skips them."""
+    fa3 with its window and soft-cap, sinks through its sink variant (with a soft-cap, from its log-sum-exp). The
+    pages wholly before each request's window are overwritten with 0xFF (NaN block scales) after the reference has
+    read them: the gather skips them. A layer whose features differ from the plan's is refused."""
     pytest.importorskip("flashinfer")
     from vllm_nvfp4_plugin.attention import NVFP4AttentionMetadata
     from vllm_nvfp4_plugin.attention.flashinfer_reader import DequantPrefill, cuda_paged_attention, plan_kernel_batch
@@ -410,7 +412,7 @@ def test_kernel_batch_with_model_features(features, head_size):
     plan = plan_kernel_batch(metadata, batch.query_start_loc.cpu(), batch.seq_lens.cpu(),
                              DequantPrefill(torch.device("cuda")), batch.q_heads, batch.layout.num_heads, head_size,
                              batch.scale, block_size=16, sliding_window=window,
-                             logits_soft_cap=features.get("logits_soft_cap", 0.0))
+                             logits_soft_cap=features.get("logits_soft_cap", 0.0), sinks="sinks" in features)
     assert plan.num_decode_tokens == 2
     out = torch.full_like(batch.query, float("nan"))
     cuda_paged_attention(batch.query, batch.cache, plan, batch.scale, batch.k_scale, batch.v_scale, 0.75, 1.25, out,
@@ -418,7 +420,11 @@ def test_kernel_batch_with_model_features(features, head_size):
     batch.check(out, ref)
     with pytest.raises(ValueError, match="planned for"):
         cuda_paged_attention(batch.query, batch.cache, plan, batch.scale, batch.k_scale, batch.v_scale, 0.75, 1.25,
-                             out, sliding_window=window + 1)
+                             out, **{**features, "sliding_window": window + 1})
+    other_sinks = {**features, "sinks": None if "sinks" in features else _sinks(batch.q_heads, 3)}
+    with pytest.raises(ValueError, match="planned for"):
+        cuda_paged_attention(batch.query, batch.cache, plan, batch.scale, batch.k_scale, batch.v_scale, 0.75, 1.25,
+                             out, **other_sinks)
 
 
 @pytest.mark.parametrize("head_size", [128, 256])

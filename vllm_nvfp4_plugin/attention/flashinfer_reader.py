@@ -13,8 +13,8 @@ Decode readers (`CUDA_READERS`, "plugin" the default):
 
 Prefills go to `DequantPrefill` where it runs (SM90 with FlashInfer): the requests' pages dequantized into a reused
 bf16/fp16 workspace (the gather op), then FlashInfer's fa3 ragged prefill, measured at about bf16 speed and 6× the
-fused kernel's, sliding windows, soft-caps and sinks included (the pages before a window are not gathered); elsewhere
-to the kernel ("plugin") or the attention core ("fa2").
+fused kernel's, sliding windows, soft-caps and sinks included (the pages before a window are not gathered; sinks
+through fa3's sink variant); elsewhere to the kernel ("plugin") or the attention core ("fa2").
 
 Both readers take linear V scales: the cache is stored with `SWIZZLE_V_SCALES` (False).
 """
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..flashinfer_variants import fa3_sink_jit_args
 from ..layout import NVFP4PageLayout
 from .core import DequantWorkspace, cache_sides, paged_attention
 from .metadata import NVFP4AttentionMetadata
@@ -262,7 +263,9 @@ class DequantPrefill:
 
     The model features ride on fa3: a sliding window as its `window_left`, with the pages wholly before a
     request's window left out of the gather (`visible_table`: never read, and the gather moves only the window); a
-    logit soft-cap as its soft-cap variant; sinks after the kernel, from its log-sum-exp (`add_sinks`)."""
+    logit soft-cap as its soft-cap variant; sinks as its sink variant (`fa3_sink_jit_args`), the sink logit inside
+    the online softmax. That variant has no soft-cap: with both, the sinks join after the kernel, from its
+    log-sum-exp (`add_sinks`)."""
 
     def __init__(self, device: torch.device, workspace_bytes: int = WORKSPACE_BYTES):
         import flashinfer
@@ -270,16 +273,30 @@ class DequantPrefill:
         self.device = torch.device(device)
         self._float_workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device)
         self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._float_workspace, "NHD", backend="fa3")
+        self._sink_wrappers: dict[tuple, object] = {}  # (dtype, head size, windowed) -> sink-variant wrapper
+        self._planned = self._wrapper
+        self._sink_variant = False
         self._kv = HalfWorkspace()
         self._cu_seq_lens: torch.Tensor | None = None
         self._num_kv_tokens = 0
         self._first_blocks: torch.Tensor | None = None
 
+    def _sink_wrapper(self, dtype: torch.dtype, head_size: int, windowed: bool):
+        key = (dtype, head_size, windowed)
+        if key not in self._sink_wrappers:  # the workspace is shared: one plan runs at a time
+            import flashinfer
+
+            jit_args, jit_kwargs = fa3_sink_jit_args(dtype, head_size, windowed)
+            self._sink_wrappers[key] = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                self._float_workspace, "NHD", backend="fa3", jit_args=jit_args, jit_kwargs=jit_kwargs)
+        return self._sink_wrappers[key]
+
     def plan(self, query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, num_q_heads: int,
              num_kv_heads: int, head_size: int, causal: bool, sm_scale: float,
              q_dtype: torch.dtype = torch.bfloat16, *, sliding_window: int = 0, logits_soft_cap: float = 0.0,
-             block_size: int = 0) -> None:
-        """`sliding_window` > 0 (causal only) needs the cache's `block_size`."""
+             sinks: bool = False, block_size: int = 0) -> None:
+        """`sliding_window` > 0 (causal only) needs the cache's `block_size`; `sinks`: whether the layers have
+        sinks (their values come at run time)."""
         if sliding_window > 0 and (not causal or block_size <= 0):
             raise ValueError(f"sliding_window needs causal attention and a positive block_size, got causal={causal}, "
                              f"block_size={block_size}")
@@ -292,13 +309,17 @@ class DequantPrefill:
         self._num_q_tokens = int(query_start_loc_cpu[-1])
         self._cu_seq_lens = kv_indptr.to(self.device, non_blocking=True)
         self._first_blocks = (first_blocks.to(self.device, non_blocking=True) if sliding_window > 0 else None)
-        self._wrapper.plan(query_start_loc_cpu.to(torch.int32), kv_indptr, num_q_heads, num_kv_heads, head_size,
+        self._sink_variant = sinks and not logits_soft_cap
+        self._planned = (self._sink_wrapper(q_dtype, head_size, sliding_window > 0) if self._sink_variant
+                         else self._wrapper)
+        self._planned.plan(query_start_loc_cpu.to(torch.int32), kv_indptr, num_q_heads, num_kv_heads, head_size,
                            causal=causal, sm_scale=sm_scale, q_data_type=q_dtype, kv_data_type=q_dtype,
                            window_left=sliding_window - 1 if sliding_window > 0 else -1,
                            logits_soft_cap=logits_soft_cap)
         self._heads = (num_kv_heads, head_size)
         self._dtype = q_dtype
-        self.features = (sliding_window, logits_soft_cap)
+        self._sm_scale = float(sm_scale)
+        self.features = (sliding_window, logits_soft_cap, sinks)
 
     def visible_table(self, block_table: torch.Tensor) -> torch.Tensor:
         """The planned requests' block-table rows starting at the first block their windows reach (the same rows
@@ -311,16 +332,22 @@ class DequantPrefill:
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, k_scale: torch.Tensor,
             v_scale: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """`block_table`: `visible_table` of the planned requests' rows; `sinks`: float32 `[num_q_heads]` or None."""
+        """`block_table`: `visible_table` of the planned requests' rows; `sinks`: float32 `[num_q_heads]`, given
+        exactly when planned with `sinks`."""
         if self._cu_seq_lens is None:
             raise RuntimeError("DequantPrefill.run called before plan")
+        if (sinks is not None) != self.features[2]:
+            raise ValueError(f"the prefill was planned {'with' if self.features[2] else 'without'} sinks, but sinks "
+                             f"{'were not' if sinks is None else 'were'} given")
         key, value = self._kv.get(self._num_kv_tokens, *self._heads, self.device, self._dtype)
         ops.gather_nvfp4_kv_cache(*cache_sides(kv_cache), block_table, self._cu_seq_lens, k_scale, v_scale,
                                   SWIZZLE_V_SCALES, key, value)
         n = self._num_q_tokens
+        if self._sink_variant:
+            return self._planned.run(query[:n], key, value, sinks, self._sm_scale, out=out[:n])
         if sinks is None:
-            return self._wrapper.run(query[:n], key, value, out=out[:n])
-        _, lse = self._wrapper.run(query[:n], key, value, out=out[:n], return_lse=True)
+            return self._planned.run(query[:n], key, value, out=out[:n])
+        _, lse = self._planned.run(query[:n], key, value, out=out[:n], return_lse=True)
         return add_sinks(out[:n], lse, sinks)
 
 
@@ -329,7 +356,7 @@ class KernelBatch:
     """A batch with prefills: the leading decode requests (query rows below `num_decode_tokens`) through the
     kernel (`decodes`) or FlashInfer's fa2 (`decoder`, planned), the other requests (block-table rows
     `prefill_block_table`, from the first block their windows reach) through `prefill`, a planned
-    `DequantPrefill`, whose `features` (sliding window, soft-cap) are the layers'."""
+    `DequantPrefill`, whose `features` (sliding window, soft-cap, sinks) are the layers'."""
 
     decodes: NVFP4AttentionMetadata | None
     num_decode_tokens: int
@@ -342,14 +369,14 @@ def plan_kernel_batch(metadata: NVFP4AttentionMetadata, query_start_loc_cpu: tor
                       seq_lens_cpu: torch.Tensor, prefill: DequantPrefill, num_q_heads: int, num_kv_heads: int,
                       head_size: int, sm_scale: float, q_dtype: torch.dtype = torch.bfloat16,
                       decoder: FlashInferNVFP4Decoder | None = None, block_size: int = 0, *,
-                      sliding_window: int = 0, logits_soft_cap: float = 0.0) -> KernelBatch:
+                      sliding_window: int = 0, logits_soft_cap: float = 0.0, sinks: bool = False) -> KernelBatch:
     """Split a batch whose decode requests come first (vLLM reorders them so) and plan `prefill` for the rest;
     the decodes go to the kernel, or to `decoder` (planned here) when given. `block_size`: the cache's pages, for
-    `decoder` and `sliding_window`. The layers' window and soft-cap are planned into `prefill` (the kernel takes
-    them, and sinks, at run time); FlashInfer's fa2 decode takes none of them."""
-    if decoder is not None and (sliding_window or logits_soft_cap):
-        raise ValueError("FlashInfer's fa2 decode takes no sliding_window or logits_soft_cap: plan the decodes for "
-                         "the plugin's kernel (decoder=None)")
+    `decoder` and `sliding_window`. The layers' window, soft-cap and whether they have sinks are planned into
+    `prefill` (the kernel takes them at run time); FlashInfer's fa2 decode takes none of them."""
+    if decoder is not None and (sliding_window or logits_soft_cap or sinks):
+        raise ValueError("FlashInfer's fa2 decode takes no sliding_window, logits_soft_cap or sinks: plan the decodes "
+                         "for the plugin's kernel (decoder=None)")
     query_lens = (query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]).tolist()
     num_decodes = 0
     while num_decodes < len(query_lens) and query_lens[num_decodes] == 1:
@@ -366,7 +393,7 @@ def plan_kernel_batch(metadata: NVFP4AttentionMetadata, query_start_loc_cpu: tor
     starts = query_start_loc_cpu[num_decodes:metadata.num_reqs + 1]
     prefill.plan(starts - starts[0], seq_lens_cpu[num_decodes:metadata.num_reqs], num_q_heads, num_kv_heads,
                  head_size, metadata.causal, sm_scale, q_dtype, sliding_window=sliding_window,
-                 logits_soft_cap=logits_soft_cap, block_size=block_size)
+                 logits_soft_cap=logits_soft_cap, sinks=sinks, block_size=block_size)
     return KernelBatch(decodes, num_decodes, prefill,
                        prefill.visible_table(metadata.block_table[num_decodes:metadata.num_reqs]),
                        decoder if num_decodes else None)
@@ -384,8 +411,8 @@ def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     dequantize + fa3 for the prefills) or a `CudaBatch` planned for the "fa2" reader. The global
     dequant scales come twice: as float32 device tensors for the plugin's ops and as floats for FlashInfer (which
     folds them into its softmax scale and output). The model features (sliding window, soft-cap, float32 sinks)
-    are served by the plugin's kernel, the core, and a `KernelBatch` whose prefill was planned with the same window
-    and soft-cap; FlashInfer's fa2 decode refuses them.
+    are served by the plugin's kernel, the core, and a `KernelBatch` whose prefill was planned with the same window,
+    soft-cap and sink switch; FlashInfer's fa2 decode refuses them.
     """
     features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap, "sinks": sinks}
     if isinstance(batch, NVFP4AttentionMetadata):
@@ -394,9 +421,10 @@ def cuda_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         raise ValueError("sliding_window, logits_soft_cap and sinks need the plugin's kernel for decodes, not "
                          "FlashInfer's fa2")
     if isinstance(batch, KernelBatch):
-        if batch.prefill.features != (sliding_window, logits_soft_cap):
-            raise ValueError(f"the prefill was planned for (sliding_window, logits_soft_cap) = "
-                             f"{batch.prefill.features}, but the layer has ({sliding_window}, {logits_soft_cap})")
+        layer = (sliding_window, logits_soft_cap, sinks is not None)
+        if batch.prefill.features != layer:
+            raise ValueError(f"the prefill was planned for (sliding_window, logits_soft_cap, sinks) = "
+                             f"{batch.prefill.features}, but the layer has {layer}")
         n = batch.num_decode_tokens
         if batch.decoder is not None:
             batch.decoder.run(query[:n], *cache_sides(kv_cache), k_scale_float, v_scale_float, out[:n])

@@ -17,8 +17,8 @@ about bf16 speed) where it runs (SM90 with FlashInfer); else to the kernel ("plu
 
 Layers with a sliding window, a logit soft-cap or attention sinks (Gemma 2/3, gpt-oss, Mistral-style windows) decode
 through the plugin's kernel whatever the reader (FlashInfer's NVFP4 decode takes none of them), and prefill through
-`DequantPrefill` with fa3's window and soft-cap and the sinks applied from its log-sum-exp, where it runs and the
-group's layers share one window and soft-cap (else through the kernel). A sliding-window layer keeps vLLM's
+`DequantPrefill` with fa3's window, soft-cap and sink variants, where it runs and the group's layers share one
+window, soft-cap and sink switch (else through the kernel). A sliding-window layer keeps vLLM's
 `SlidingWindowSpec`, packed as an NVFP4 page, so vLLM frees the pages that leave the window; neither path reads
 them. ALiBi is refused at engine start.
 
@@ -147,11 +147,12 @@ def group_uses_model_features(vllm_config: VllmConfig, layer_names: list[str]) -
     return any(layer.impl.model_features for layer in layers.values())
 
 
-def shared_prefill_features(vllm_config: VllmConfig, layer_names: list[str]) -> tuple[int, float] | None:
-    """(sliding window, soft-cap) shared by a KV-cache group's layers, which `DequantPrefill` plans once per batch
-    for all of them (sinks it takes at run time, per layer); None if the layers disagree."""
+def shared_prefill_features(vllm_config: VllmConfig, layer_names: list[str]) -> tuple[int, float, bool] | None:
+    """(sliding window, soft-cap, has sinks) shared by a KV-cache group's layers, which `DequantPrefill` plans once
+    per batch for all of them (the sink values it takes at run time, per layer); None if the layers disagree."""
     layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-    features = {(layer.impl.sliding_window, layer.impl.logits_soft_cap) for layer in layers.values()}
+    features = {(layer.impl.sliding_window, layer.impl.logits_soft_cap, layer.impl.sinks is not None)
+                for layer in layers.values()}
     return features.pop() if len(features) == 1 else None
 
 
@@ -160,7 +161,7 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
     fa2 is planned for the batch's leading decode requests; prefills are planned for `DequantPrefill` where it
     runs. Off CUDA (or when fa2 cannot read the head size and "fa2" was asked for) the core serves every request.
     A group whose layers use model features decodes through the kernel, and prefills through `DequantPrefill`
-    planned with the layers' shared window and soft-cap (through the kernel if they differ)."""
+    planned with the layers' shared window, soft-cap and sink switch (through the kernel if they differ)."""
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):
@@ -173,7 +174,7 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
         self._decoder: FlashInferNVFP4Decoder | None = None
         self._decode_params: tuple[int, torch.dtype, float] | None = None
         self._prefill: DequantPrefill | None = None
-        self._prefill_features: tuple[int, float] | None = (0, 0.0)  # (sliding window, soft-cap) of the group
+        self._prefill_features: tuple[int, float, bool] | None = (0, 0.0, False)  # the group's window, cap, sinks
         if self._reader == "core":
             logger.info_once("vllm_nvfp4_plugin: NVFP4 attention through the core (device %s)", device)
             return
@@ -225,12 +226,12 @@ class NVFP4CudaMetadataBuilder(AttentionMetadataBuilder[CudaBatch | KernelBatch 
         spec = self.kv_cache_spec
         if self._prefill is not None and common_attn_metadata.max_query_len > 1:
             num_q_heads, q_dtype, sm_scale = self._decode_params
-            sliding_window, logits_soft_cap = self._prefill_features
+            sliding_window, logits_soft_cap, sinks = self._prefill_features
             return plan_kernel_batch(metadata, common_attn_metadata.query_start_loc_cpu,
                                      self._seq_lens_cpu(common_attn_metadata), self._prefill, num_q_heads,
                                      spec.num_kv_heads, spec.head_size, sm_scale, q_dtype, self._decoder,
                                      spec.block_size, sliding_window=sliding_window,
-                                     logits_soft_cap=logits_soft_cap)
+                                     logits_soft_cap=logits_soft_cap, sinks=sinks)
         if self._reader == "plugin":
             return metadata
         num_q_heads, q_dtype, sm_scale = self._decode_params
