@@ -201,8 +201,8 @@ def warm_module(task: tuple) -> str:
 
 def warm_flashinfer(head_sizes: list[int], jobs: int, decode: bool) -> None:
     """Builds FlashInfer's JIT modules this benchmark and the tests use (bf16/fp8/NVFP4 decode if `decode`; fa3
-    prefill, plain, windowed, soft-capped and with sinks) in `jobs` processes; needs no plugin extension, so it can run while
-    the extension builds."""
+    prefill, plain, windowed, soft-capped and with sinks) in `jobs` processes; needs no plugin extension, so it can
+    run while the extension builds."""
     from concurrent.futures import ProcessPoolExecutor
     import multiprocessing
 

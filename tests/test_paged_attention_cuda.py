@@ -425,6 +425,10 @@ def test_kernel_batch_with_model_features(features, head_size):
     with pytest.raises(ValueError, match="planned for"):
         cuda_paged_attention(batch.query, batch.cache, plan, batch.scale, batch.k_scale, batch.v_scale, 0.75, 1.25,
                              out, **other_sinks)
+    if "sinks" in features:  # FlashInfer's sink variant reads float32 [heads] unchecked: the prefill checks first
+        with pytest.raises(ValueError, match="sinks must be a contiguous float32"):
+            plan.prefill.run(batch.query[2:], batch.cache, plan.prefill_block_table, batch.k_scale, batch.v_scale,
+                             out[2:], features["sinks"].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("head_size", [128, 256])

@@ -339,6 +339,11 @@ class DequantPrefill:
         if (sinks is not None) != self.features[2]:
             raise ValueError(f"the prefill was planned {'with' if self.features[2] else 'without'} sinks, but sinks "
                              f"{'were not' if sinks is None else 'were'} given")
+        heads = query.size(1)
+        if sinks is not None and (sinks.dtype != torch.float32 or tuple(sinks.shape) != (heads,)
+                                  or not sinks.is_contiguous() or sinks.device != query.device):
+            raise ValueError(f"sinks must be a contiguous float32 [{heads}] tensor on {query.device}, got "
+                             f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}")
         key, value = self._kv.get(self._num_kv_tokens, *self._heads, self.device, self._dtype)
         ops.gather_nvfp4_kv_cache(*cache_sides(kv_cache), block_table, self._cu_seq_lens, k_scale, v_scale,
                                   SWIZZLE_V_SCALES, key, value)
