@@ -359,6 +359,30 @@ def test_dequant_prefill_matches_reference(requests):
     batch.check(out)
 
 
+def test_dequant_prefill_gathers_from_the_window():
+    """`DequantPrefill.gather` dequantizes each request's tokens from the first block its window reaches on, as the
+    reference gather does over those blocks, bit for bit."""
+    pytest.importorskip("flashinfer")
+    from vllm_nvfp4_plugin.attention.flashinfer_reader import DequantPrefill
+
+    batch = Batch([(40, 1000), (300, 300)], seed=12)
+    prefill = DequantPrefill(torch.device("cuda"))
+    prefill.plan(batch.query_start_loc.cpu(), batch.seq_lens.cpu(), batch.q_heads, batch.layout.num_heads,
+                 batch.layout.head_size, True, batch.scale, sliding_window=100, block_size=16)
+    key, value = prefill.gather(batch.cache, prefill.visible_table(batch.block_table), batch.k_scale, batch.v_scale)
+    first = (1000 - 40 - 100 + 1) // 16  # the first query sees keys 861 on: block 53
+    table = torch.full_like(batch.block_table, -1)
+    table[0, :batch.block_table.size(1) - first] = batch.block_table[0, first:]
+    table[1] = batch.block_table[1]
+    lengths = [1000 - 16 * first, 300]
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32, device="cuda")
+    ref_key, ref_value = torch.full_like(key, float("nan")), torch.full_like(value, float("nan"))
+    reference.gather_nvfp4_kv_cache(batch.key_cache, batch.value_cache, table, cu, batch.k_scale, batch.v_scale, False,
+                                    ref_key, ref_value)
+    assert key.shape == (sum(lengths), batch.layout.num_heads, batch.layout.head_size)
+    assert torch.equal(key, ref_key) and torch.equal(value, ref_value)
+
+
 def test_kernel_batch_decodes_by_kernel_prefills_by_dequant():
     """A mixed batch planned by plan_kernel_batch: leading decodes through the kernel, the rest dequantized + fa3."""
     pytest.importorskip("flashinfer")

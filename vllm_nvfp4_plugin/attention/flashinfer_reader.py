@@ -330,6 +330,17 @@ class DequantPrefill:
         columns = (self._first_blocks[:, None] + torch.arange(width, device=block_table.device)).clamp(max=width - 1)
         return block_table.gather(1, columns)
 
+    def gather(self, kv_cache: torch.Tensor, block_table: torch.Tensor, k_scale: torch.Tensor,
+               v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The planned requests' K and V from the first block their windows reach, dequantized into the reused
+        workspace, `[kv tokens, kv heads, head]` each: `run`'s first step (the rest is fa3)."""
+        if self._cu_seq_lens is None:
+            raise RuntimeError("DequantPrefill.gather called before plan")
+        key, value = self._kv.get(self._num_kv_tokens, *self._heads, self.device, self._dtype)
+        ops.gather_nvfp4_kv_cache(*cache_sides(kv_cache), block_table, self._cu_seq_lens, k_scale, v_scale,
+                                  SWIZZLE_V_SCALES, key, value)
+        return key, value
+
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, k_scale: torch.Tensor,
             v_scale: torch.Tensor, out: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`block_table`: `visible_table` of the planned requests' rows; `sinks`: float32 `[num_q_heads]`, given
@@ -344,9 +355,7 @@ class DequantPrefill:
                                   or not sinks.is_contiguous() or sinks.device != query.device):
             raise ValueError(f"sinks must be a contiguous float32 [{heads}] tensor on {query.device}, got "
                              f"{sinks.dtype} {list(sinks.shape)} on {sinks.device}")
-        key, value = self._kv.get(self._num_kv_tokens, *self._heads, self.device, self._dtype)
-        ops.gather_nvfp4_kv_cache(*cache_sides(kv_cache), block_table, self._cu_seq_lens, k_scale, v_scale,
-                                  SWIZZLE_V_SCALES, key, value)
+        key, value = self.gather(kv_cache, block_table, k_scale, v_scale)
         n = self._num_q_tokens
         if self._sink_variant:
             return self._planned.run(query[:n], key, value, sinks, self._sm_scale, out=out[:n])
